@@ -1,0 +1,272 @@
+"""The one config: nanoqwen.yaml read once into frozen dataclasses.
+
+Everything else (packer, reader, reference, kernels, benchmark) takes its constants from
+here. `cuda_defines` turns them into the -D options every kernel is compiled with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .errors import ConfigError
+
+CONFIG_PATH = Path(__file__).with_name("nanoqwen.yaml")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    max_position: int
+    rope_theta: float
+    rms_eps: float
+    tie_embeddings: bool
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.q_dim + 2 * self.kv_dim
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """The seven quantized projections of a layer: HF name -> (out_features, in_features)."""
+        h, i = self.hidden, self.intermediate
+        return {
+            "self_attn.q_proj": (self.q_dim, h),
+            "self_attn.k_proj": (self.kv_dim, h),
+            "self_attn.v_proj": (self.kv_dim, h),
+            "self_attn.o_proj": (h, self.q_dim),
+            "mlp.gate_proj": (i, h),
+            "mlp.up_proj": (i, h),
+            "mlp.down_proj": (h, i),
+        }
+
+    def to_hf_config(self) -> dict:
+        """config.json fields of a Qwen2ForCausalLM with these dims."""
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": self.max_position,
+            "max_window_layers": self.num_layers,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": self.rms_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "use_sliding_window": False,
+            "sliding_window": self.max_position,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+        }
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source="config.json") -> "ModelDims":
+        """Validate a Hugging Face config.json and return its dims; refuse anything unsupported."""
+        sup = load().supported
+
+        def need(key):
+            if key not in cfg:
+                raise ConfigError(source, key, "a value", "nothing (field missing)")
+            return cfg[key]
+
+        archs = need("architectures")
+        if not isinstance(archs, list) or archs[:1] != list(sup.architectures):
+            raise ConfigError(source, "architectures", sup.architectures, archs)
+        if need("model_type") != sup.model_type:
+            raise ConfigError(source, "model_type", repr(sup.model_type), repr(cfg["model_type"]))
+        if cfg.get("hidden_act", "silu") != sup.hidden_act:
+            raise ConfigError(source, "hidden_act", repr(sup.hidden_act), repr(cfg["hidden_act"]))
+        if cfg.get("rope_scaling") not in (None, {}):
+            raise ConfigError(source, "rope_scaling", "null (plain RoPE)", cfg["rope_scaling"])
+        if cfg.get("use_sliding_window", False):
+            raise ConfigError(source, "use_sliding_window", False, cfg["use_sliding_window"])
+        ints = {}
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "vocab_size"):
+            v = need(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(source, key, "a positive integer", repr(v))
+            ints[key] = v
+        hidden, heads, kv = ints["hidden_size"], ints["num_attention_heads"], ints["num_key_value_heads"]
+        if hidden % heads:
+            raise ConfigError(source, "num_attention_heads", f"a divisor of hidden_size {hidden}", heads)
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if head_dim * heads != hidden:
+            raise ConfigError(source, "head_dim", f"hidden_size / num_attention_heads = {hidden // heads}", head_dim)
+        dims = cls(
+            num_layers=ints["num_hidden_layers"], hidden=hidden,
+            intermediate=ints["intermediate_size"], num_heads=heads, num_kv_heads=kv,
+            head_dim=head_dim, vocab=ints["vocab_size"],
+            max_position=int(cfg.get("max_position_embeddings", 32768)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+        dims.check_supported(source)
+        return dims
+
+    def check_supported(self, source="config") -> None:
+        sup = load().supported
+        if self.head_dim not in sup.head_dims:
+            raise ConfigError(source, "head_dim", f"one of {list(sup.head_dims)}", self.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(source, "num_key_value_heads",
+                              f"a divisor of num_attention_heads {self.num_heads}", self.num_kv_heads)
+        if not sup.gqa_ratio_min <= self.gqa_ratio <= sup.gqa_ratio_max:
+            raise ConfigError(source, "num_attention_heads / num_key_value_heads",
+                              f"a GQA ratio from {sup.gqa_ratio_min} to {sup.gqa_ratio_max}",
+                              f"{self.num_heads}/{self.num_kv_heads}")
+        for name in ("hidden", "intermediate"):
+            v = getattr(self, name)
+            if v % sup.dim_multiple:
+                field = {"hidden": "hidden_size", "intermediate": "intermediate_size"}[name]
+                raise ConfigError(source, field, f"a multiple of {sup.dim_multiple}", v)
+        if self.rope_theta <= 0 or self.rms_eps <= 0:
+            raise ConfigError(source, "rope_theta / rms_norm_eps", "positive", (self.rope_theta, self.rms_eps))
+
+
+@dataclass(frozen=True)
+class Supported:
+    architectures: tuple[str, ...]
+    model_type: str
+    hidden_act: str
+    head_dims: tuple[int, ...]
+    gqa_ratio_min: int
+    gqa_ratio_max: int
+    dim_multiple: int
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    magic: str
+    version: int
+    layout_id: int
+    group_size: int
+    alignment: int
+    header_bytes: int
+    dir_entry_bytes: int
+    dir_name_bytes: int
+    int4_qmax: int
+    value_shuffle: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    page_tokens: int
+    dtype_bytes: int
+    attention_stages: int
+
+    def head_slice_bytes(self, head_dim: int) -> int:
+        """One KV head's K (or V) for one page: page_tokens x head_dim FP16."""
+        return self.page_tokens * head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class BenchProtocol:
+    batch: int
+    prompt_tokens: int
+    gen_tokens: int
+    warmup: int
+    lock_clocks: bool
+    read_ceiling_tbps: float
+
+
+@dataclass(frozen=True)
+class ValidationSpec:
+    rel_err_vs_transformers: float
+    graph_prompts: int
+    graph_gen_tokens: int
+    token_match_min: float
+    near_tie_logit_gap: float
+
+
+@dataclass(frozen=True)
+class Config:
+    models: dict  # name -> ModelDims (a plain dict inside a frozen dataclass: never mutated)
+    supported: Supported
+    format: FormatSpec
+    kv_cache: KVCacheSpec
+    benchmark: BenchProtocol
+    validation: ValidationSpec
+
+    def model(self, name: str) -> ModelDims:
+        if name not in self.models:
+            raise ConfigError(CONFIG_PATH, "models", f"one of {sorted(self.models)}", repr(name))
+        return self.models[name]
+
+
+def _build(cls, raw: dict):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    extra = set(raw) - set(fields)
+    missing = set(fields) - set(raw)
+    if extra or missing:
+        raise ConfigError(CONFIG_PATH, cls.__name__, f"fields {sorted(fields)}",
+                          f"extra {sorted(extra)}, missing {sorted(missing)}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Config:
+    """Read nanoqwen.yaml once."""
+    raw = yaml.safe_load(CONFIG_PATH.read_text())
+    return Config(
+        models={name: _build(ModelDims, m) for name, m in raw["models"].items()},
+        supported=_build(Supported, raw["supported"]),
+        format=_build(FormatSpec, raw["format"]),
+        kv_cache=_build(KVCacheSpec, raw["kv_cache"]),
+        benchmark=_build(BenchProtocol, raw["benchmark"]),
+        validation=_build(ValidationSpec, raw["validation"]),
+    )
+
+
+def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
+    """The compile-time constants every kernel sees (as -DNAME=value)."""
+    cfg = load()
+    d = {
+        "NQ_GROUP_SIZE": cfg.format.group_size,
+        "NQ_ALIGN": cfg.format.alignment,
+        "NQ_LAYOUT_ID": cfg.format.layout_id,
+        "NQ_PAGE_TOKENS": cfg.kv_cache.page_tokens,
+        "NQ_KV_DTYPE_BYTES": cfg.kv_cache.dtype_bytes,
+        "NQ_ATTN_STAGES": cfg.kv_cache.attention_stages,
+    }
+    if dims is not None:
+        d.update({
+            "NQ_HIDDEN": dims.hidden,
+            "NQ_INTERMEDIATE": dims.intermediate,
+            "NQ_NUM_HEADS": dims.num_heads,
+            "NQ_NUM_KV_HEADS": dims.num_kv_heads,
+            "NQ_HEAD_DIM": dims.head_dim,
+            "NQ_VOCAB": dims.vocab,
+        })
+    return d
