@@ -1,0 +1,75 @@
+"""Which tensors a model has, by name, dtype and shape: the one list every piece agrees on.
+
+Names follow Hugging Face's Qwen2 checkpoints. The seven projections of each layer become
+two tensors in a .nanoqwen file: `<proj>.qweight` (uint32 [out, in/8], ValueShuffle INT4)
+and `<proj>.scales` (fp16 [out, in/group]). Everything else stays FP16 under its HF name.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelDims, load
+
+FP16 = np.dtype("<f2")
+UINT32 = np.dtype("<u4")
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def hf_tensors(dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face Qwen2ForCausalLM checkpoint: name -> shape."""
+    t = {"model.embed_tokens.weight": (dims.vocab, dims.hidden)}
+    for i in range(dims.num_layers):
+        p = layer_prefix(i)
+        t[p + "input_layernorm.weight"] = (dims.hidden,)
+        t[p + "post_attention_layernorm.weight"] = (dims.hidden,)
+        for proj, (out_f, in_f) in dims.projections().items():
+            t[p + proj + ".weight"] = (out_f, in_f)
+        t[p + "self_attn.q_proj.bias"] = (dims.q_dim,)
+        t[p + "self_attn.k_proj.bias"] = (dims.kv_dim,)
+        t[p + "self_attn.v_proj.bias"] = (dims.kv_dim,)
+    t["model.norm.weight"] = (dims.hidden,)
+    if not dims.tie_embeddings:
+        t["lm_head.weight"] = (dims.vocab, dims.hidden)
+    return t
+
+
+def is_quantized(hf_name: str) -> bool:
+    """True for the weight of one of the seven INT4 projections."""
+    return hf_name.endswith("_proj.weight")
+
+
+def packed_tensors(dims: ModelDims) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every tensor of a .nanoqwen file, in file order: name -> (dtype, shape)."""
+    g = load().format.group_size
+    out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+    for name, shape in hf_tensors(dims).items():
+        if is_quantized(name):
+            base = name[: -len(".weight")]
+            out_f, in_f = shape
+            out[base + ".qweight"] = (UINT32, (out_f, in_f // 8))
+            out[base + ".scales"] = (FP16, (out_f, in_f // g))
+        else:
+            out[name] = (FP16, shape)
+    return out
+
+
+def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0) -> dict[str, int]:
+    """What one decode token must read from device memory, by kind (batch 1)."""
+    g = load().format.group_size
+    kvb = load().kv_cache.dtype_bytes
+    int4 = scales = 0
+    for out_f, in_f in dims.projections().values():
+        int4 += out_f * in_f // 2 * dims.num_layers
+        scales += out_f * (in_f // g) * 2 * dims.num_layers
+    small = dims.num_layers * (2 * dims.hidden + dims.qkv_dim) * 2 + dims.hidden * 2
+    return {
+        "int4_weights": int4,
+        "scales": scales,
+        "lm_head_fp16": dims.vocab * dims.hidden * 2,
+        "embedding_row": dims.hidden * 2,
+        "norms_and_biases": small,
+        "kv_cache": 2 * dims.num_layers * dims.kv_dim * kvb * context_tokens,
+    }
