@@ -1,0 +1,160 @@
+"""The `nanoqwen` command: synth, pack, inspect, generate, demo.
+
+User errors (bad arguments, bad files, requests that do not fit) exit with status 2 and one
+line naming the file, the field, the expected and the found value; never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import LimitError, NanoqwenError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, status 2 (argparse's own convention)
+        self.exit(2, f"nanoqwen: error: {message} (see --help)\n")
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise LimitError("<arguments>", "--prompt-ids", "comma-separated integers", repr(text)) from None
+
+
+def cmd_synth(a) -> int:
+    from .config import load
+    from .synth import synthesize
+    dims = load().model(a.dims)
+    out = synthesize(dims, a.seed, a.out, progress=not a.quiet)
+    print(f"wrote synthetic {a.dims} checkpoint (seed {a.seed}) to {out}")
+    return 0
+
+
+def cmd_pack(a) -> int:
+    from .packer import pack_checkpoint
+    out = pack_checkpoint(a.checkpoint, a.output, progress=not a.quiet)
+    print(f"wrote {out} ({out.stat().st_size / 1e9:.3f} GB)")
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from .inspect_file import describe
+    from .weightfile import NanoqwenFile
+    f = NanoqwenFile.open(a.file, verify_payload=a.verify)
+    print(describe(f, tensors=not a.header_only))
+    return 0
+
+
+def _load_tokenizer(nq_file):
+    from .tokenizer import QwenTokenizer
+    blob = nq_file.tokenizer_json
+    return QwenTokenizer.from_tokenizer_json(blob) if blob else QwenTokenizer.default()
+
+
+def cmd_generate(a) -> int:
+    from .generate import check_request, generate_ids, make_backend, stream_text
+    from .weightfile import NanoqwenFile
+    f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
+    tok = _load_tokenizer(f)
+    if a.prompt_ids is not None:
+        prompt = _ids(a.prompt_ids)
+    else:
+        text = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+        prompt = tok.encode(text)
+    check_request(f.dims, prompt, a.max_new_tokens)  # before any backend (GPU) work
+    backend_name = a.backend or _default_backend()
+    backend = make_backend(backend_name, f)
+    ids = generate_ids(backend, prompt, a.max_new_tokens, eos_ids=() if a.ignore_eos else tuple(tok.eos_ids))
+    if a.ids:
+        print(" ".join(str(t) for t in ids))
+    else:
+        stream_text(tok, ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        print()
+    return 0
+
+
+def _default_backend() -> str:
+    from .cuda_build import have_gpu
+    return "gpu" if have_gpu() else "reference"
+
+
+def cmd_demo(a) -> int:
+    """The embedded default, end to end: synthesize tiny, pack it, generate with it."""
+    from .cache import cache_dir, synthetic_checkpoint
+    from .packer import pack_checkpoint
+    from .weightfile import NanoqwenFile
+    ckpt = synthetic_checkpoint("tiny", seed=0)
+    out = cache_dir() / "tiny-seed0.nanoqwen"
+    if not out.exists():
+        pack_checkpoint(ckpt, out, progress=True)
+    f = NanoqwenFile.open(out)
+    backend = a.backend or _default_backend()
+    print(f"checkpoint {ckpt}\nfile       {out} ({out.stat().st_size / 1e6:.1f} MB)\nbackend    {backend}")
+    ns = argparse.Namespace(file=out, prompt="def quicksort(xs):", prompt_ids=None, chat=False,
+                            max_new_tokens=a.max_new_tokens, backend=backend, ids=False,
+                            ignore_eos=True, no_verify=False)
+    print("prompt     'def quicksort(xs):'\noutput     ", end="")
+    del f
+    return cmd_generate(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nanoqwen", description="An INT4 Qwen2.5 inference runtime for Hopper, built in a book.")
+    sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("synth", help="write a synthetic checkpoint in the exact Hugging Face layout")
+    s.add_argument("--dims", required=True, choices=["tiny", "tiny-hd64", "7b"], help="model dims from nanoqwen.yaml")
+    s.add_argument("--seed", type=int, default=0, help="random seed (same seed, same weights)")
+    s.add_argument("--out", required=True, type=Path, help="output directory")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_synth)
+
+    s = sub.add_parser("pack", help="quantize a Hugging Face checkpoint into a .nanoqwen file")
+    s.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json, *.safetensors)")
+    s.add_argument("-o", "--output", required=True, type=Path, help="the .nanoqwen file to write")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_pack)
+
+    s = sub.add_parser("inspect", help="validate a .nanoqwen file and print its header and tensors")
+    s.add_argument("file", type=Path, help="a .nanoqwen file")
+    s.add_argument("--verify", action="store_true", help="also check every payload's CRC32")
+    s.add_argument("--header-only", action="store_true", help="print the header, not the tensor table")
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("generate", help="greedy generation from a .nanoqwen file")
+    s.add_argument("file", type=Path, help="a .nanoqwen file")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (tokenized with the file's Qwen tokenizer)")
+    g.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    s.add_argument("--chat", action="store_true", help="wrap --prompt in the Qwen2.5 chat template")
+    s.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    s.add_argument("--backend", choices=["reference", "gpu"], help="default: gpu when one is present")
+    s.add_argument("--ids", action="store_true", help="print generated token ids on one line, not text")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load (faster)")
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("demo", help="synthesize the tiny model, pack it and generate with it")
+    s.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    s.add_argument("--backend", choices=["reference", "gpu"], help="default: gpu when one is present")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except NanoqwenError as e:
+        print(f"nanoqwen {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"nanoqwen {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
