@@ -211,6 +211,19 @@ class ValidationSpec:
 
 
 @dataclass(frozen=True)
+class TokenizerSpec:
+    bpe_tokens: int
+    pattern: str
+    normalization: str
+    bos_id: int
+    pad_id: int
+    eos_ids: tuple[int, ...]
+    default_system: str
+    model_max_length: int
+    special_tokens: dict  # id -> content (a plain dict inside a frozen dataclass: never mutated)
+
+
+@dataclass(frozen=True)
 class Config:
     models: dict  # name -> ModelDims (a plain dict inside a frozen dataclass: never mutated)
     supported: Supported
@@ -218,6 +231,7 @@ class Config:
     kv_cache: KVCacheSpec
     benchmark: BenchProtocol
     validation: ValidationSpec
+    tokenizer: TokenizerSpec
 
     def model(self, name: str) -> ModelDims:
         if name not in self.models:
@@ -246,6 +260,7 @@ def load() -> Config:
         kv_cache=_build(KVCacheSpec, raw["kv_cache"]),
         benchmark=_build(BenchProtocol, raw["benchmark"]),
         validation=_build(ValidationSpec, raw["validation"]),
+        tokenizer=_build(TokenizerSpec, raw["tokenizer"]),
     )
 
 

@@ -108,7 +108,13 @@ class AtomicOutput:
                     staged = self.path.parent / f".{self.path.name}.link-{os.getpid()}"
                     if staged.exists():
                         staged.unlink()
-                    os.link(f"/proc/self/fd/{self.fd}", staged)
+                    # linkat(AT_SYMLINK_FOLLOW) on /proc/self/fd/N names the unnamed file;
+                    # passing a dir fd makes CPython call linkat rather than link.
+                    procfd = os.open("/proc/self/fd", os.O_RDONLY)
+                    try:
+                        os.link(str(self.fd), staged, src_dir_fd=procfd, follow_symlinks=True)
+                    finally:
+                        os.close(procfd)
                     os.replace(staged, self.path)
                 else:
                     os.replace(self.tmp_name, self.path)
