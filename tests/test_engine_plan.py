@@ -1,0 +1,37 @@
+"""The engine's arena plan (CPU): every file tensor has a home, every buffer is aligned,
+the qkv and gate_up stacks cover their rows exactly once."""
+import numpy as np
+import pytest
+
+from nanoqwen_lib.config import load
+from nanoqwen_lib.engine import plan_arena, weight_sources
+from nanoqwen_lib.layout import bytes_per_decode_token, packed_tensors
+
+
+@pytest.mark.parametrize("name", ["7b", "tiny", "tiny-hd64"])
+def test_every_tensor_uploaded_once_into_matching_slots(name):
+    dims = load().model(name)
+    plan = plan_arena(dims, 4096)
+    files = packed_tensors(dims)
+    srcs = weight_sources(dims)
+    assert sorted(s for s, _, _ in srcs) == sorted(files)
+    covered = {}
+    for src, dst, row in srcs:
+        dt, shape = files[src]
+        off, sdt, sshape = plan.slots[dst]
+        assert sdt == dt and tuple(shape[1:]) == sshape[1:], (src, dst)
+        covered.setdefault(dst, []).append((row, row + shape[0]))
+    for dst, spans in covered.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == plan.slots[dst][2][0], dst
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), dst
+
+
+def test_arena_aligned_and_weights_match_decode_bytes():
+    dims = load().model("7b")
+    plan = plan_arena(dims, 32768)
+    assert all(off % 128 == 0 for off, _, _ in plan.slots.values())
+    b = bytes_per_decode_token(dims)
+    # weights in the arena = what a decode token reads + the embedding table (read one row)
+    expect = b["int4_weights"] + b["scales"] + b["lm_head_fp16"] + b["norms_and_biases"] + dims.vocab * dims.hidden * 2
+    assert plan.bytes_of("w.") == expect
