@@ -21,7 +21,7 @@ def check_request(dims: ModelDims, prompt_ids: list[int], max_new_tokens: int,
         raise LimitError(source, "prompt", "at least one token", "an empty prompt")
     bad = [t for t in prompt_ids if not 0 <= int(t) < dims.vocab]
     if bad:
-        raise LimitError(source, "prompt ids", f"ids in [0, {dims.vocab})", f"{bad[0]} ({len(bad)} out of range)")
+        raise LimitError(source, "prompt ids", f"ids in the vocab [0, {dims.vocab})", f"{bad[0]} ({len(bad)} out of range)")
     if max_new_tokens < 1:
         raise LimitError(source, "--max-new-tokens", ">= 1", max_new_tokens)
     limit = dims.max_position if max_tokens is None else min(max_tokens, dims.max_position)

@@ -1,0 +1,107 @@
+"""The CLI: user errors exit 2 with one line, never a traceback; every verb that takes a
+file refuses a corrupted or truncated one."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nanoqwen_lib.weightfile import write_nanoqwen
+
+from .test_fileformat import MICRO, random_producer
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    return subprocess.run([sys.executable, "-m", "nanoqwen_lib", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def assert_user_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def micro_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("cli") / "micro.nanoqwen"
+    write_nanoqwen(p, MICRO, random_producer(2))
+    return p
+
+
+def test_help_explains_every_verb():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for verb in ("synth", "pack", "inspect", "generate", "demo"):
+        assert verb in r.stdout
+        h = run_cli(verb, "--help")
+        assert h.returncode == 0 and "usage" in h.stdout
+
+
+def test_inspect_prints_header_and_tensors(micro_file):
+    r = run_cli("inspect", micro_file, "--verify")
+    assert r.returncode == 0, r.stderr
+    assert "NANOQWEN" in r.stdout and "model.layers.0.self_attn.q_proj.qweight" in r.stdout
+    assert "verified" in r.stdout
+
+
+@pytest.mark.parametrize("verb", ["inspect", "generate"])
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "magic"])
+def test_every_file_verb_refuses_a_damaged_file(tmp_path, micro_file, verb, damage):
+    raw = bytearray(micro_file.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "flip_payload":
+        raw[-200] ^= 0xFF
+    else:
+        raw[0:8] = b"GGUF\0\0\0\0"
+    bad = tmp_path / "bad.nanoqwen"
+    bad.write_bytes(bytes(raw))
+    extra = ["--verify"] if verb == "inspect" else ["--prompt-ids", "1,2", "--backend", "reference"]
+    r = run_cli(verb, bad, *extra)
+    assert_user_error(r, str(bad), "expected", "found")
+
+
+def test_missing_file_and_bad_flags():
+    assert_user_error(run_cli("inspect", "/nonexistent.nanoqwen"), "/nonexistent.nanoqwen")
+    assert_user_error(run_cli("generate"), "error")
+    assert_user_error(run_cli("synth", "--dims", "70b", "--out", "/tmp/x"), "dims")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt-ids", ""], "prompt"),
+    (["--prompt-ids", "1,x"], "--prompt-ids"),
+    (["--prompt-ids", "1,999999"], "vocab"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "99999999"], "fits"),
+])
+def test_generate_limits_refused_before_any_work(micro_file, args, needle):
+    assert_user_error(run_cli("generate", micro_file, *args, "--backend", "reference"), needle)
+
+
+def test_pack_killed_leaves_no_file(tmp_path):
+    """SIGKILL in the middle of writing: the O_TMPFILE output never got a name."""
+    code = (
+        "import time, sys\n"
+        "from nanoqwen_lib.weightfile import write_nanoqwen\n"
+        "from tests.test_fileformat import MICRO, random_producer\n"
+        "base = random_producer(0)\n"
+        "def slow(n, d, s):\n"
+        "    print('writing', flush=True); time.sleep(0.05); return base(n, d, s)\n"
+        f"write_nanoqwen({str(tmp_path / 'k.nanoqwen')!r}, MICRO, slow)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert p.stdout.readline().startswith("writing")
+    time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert os.listdir(tmp_path) == []
