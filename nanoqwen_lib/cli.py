@@ -83,21 +83,14 @@ def _default_backend() -> str:
 
 def cmd_demo(a) -> int:
     """The embedded default, end to end: synthesize tiny, pack it, generate with it."""
-    from .cache import cache_dir, synthetic_checkpoint
-    from .packer import pack_checkpoint
-    from .weightfile import NanoqwenFile
-    ckpt = synthetic_checkpoint("tiny", seed=0)
-    out = cache_dir() / "tiny-seed0.nanoqwen"
-    if not out.exists():
-        pack_checkpoint(ckpt, out, progress=True)
-    f = NanoqwenFile.open(out)
+    from .synthetic import packed_synthetic
+    out = packed_synthetic("tiny", seed=0, progress=True)
     backend = a.backend or _default_backend()
-    print(f"checkpoint {ckpt}\nfile       {out} ({out.stat().st_size / 1e6:.1f} MB)\nbackend    {backend}")
+    print(f"file       {out} ({out.stat().st_size / 1e6:.1f} MB)\nbackend    {backend}")
     ns = argparse.Namespace(file=out, prompt="def quicksort(xs):", prompt_ids=None, chat=False,
                             max_new_tokens=a.max_new_tokens, backend=backend, ids=False,
                             ignore_eos=True, no_verify=False)
     print("prompt     'def quicksort(xs):'\noutput     ", end="")
-    del f
     return cmd_generate(ns)
 
 

@@ -37,30 +37,38 @@ def book_style() -> None:
     plt.rcParams.update(BOOK_RC)
 
 
-def bytes_bar(parts: dict[str, int], title: str = "", unit: float = 1e9, unit_name: str = "GB",
-              ax=None):
-    """One horizontal stacked bar of byte counts by kind, each segment labelled.
+def bytes_bars(bars: dict[str, dict[str, int]], title: str = "", unit: float = 1e9,
+               unit_name: str = "GB", ax=None):
+    """Horizontal stacked bars of byte counts: one bar per label, one segment per kind.
 
-    parts: kind -> bytes (zero entries are left out). Returns the Axes.
+    bars: label -> {kind -> bytes}; zero entries are left out. Segments wide enough to hold
+    it carry their value; the legend names each kind once. Returns the Axes.
     """
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(8.0, 1.9))
-    left = 0.0
-    for kind, n in parts.items():
-        if n <= 0:
-            continue
-        width = n / unit
-        ax.barh(0, width, left=left, color=KIND_COLORS.get(kind), edgecolor="white",
-                label=f"{kind}: {width:.3f} {unit_name}")
-        left += width
-    ax.set_yticks([])
-    ax.set_xlim(0, left * 1.02)
+        _, ax = plt.subplots(figsize=(8.0, 1.0 + 0.6 * len(bars)))
+    longest = max(sum(parts.values()) for parts in bars.values()) / unit
+    seen = set()
+    for y, parts in enumerate(bars.values()):
+        left = 0.0
+        for kind, n in parts.items():
+            if n <= 0:
+                continue
+            width = n / unit
+            ax.barh(y, width, left=left, color=KIND_COLORS.get(kind), edgecolor="white",
+                    label=None if kind in seen else kind)
+            seen.add(kind)
+            if width > 0.06 * longest:
+                ax.text(left + width / 2, y, f"{width:.3f}", ha="center", va="center",
+                        color="white", fontsize=9)
+            left += width
+    ax.set_yticks(range(len(bars)), list(bars))
+    ax.invert_yaxis()  # first bar on top
+    ax.set_xlim(0, longest * 1.02)
     ax.set_xlabel(unit_name)
     ax.grid(axis="y", visible=False)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=2, frameon=False,
-              fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
     if title:
         ax.set_title(title)
     return ax

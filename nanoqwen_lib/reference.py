@@ -105,7 +105,7 @@ def swiglu(gate_up, rnd=round_fp16):
     xp = array_module(gate_up)
     inter = gate_up.shape[-1] // 2
     g, u = gate_up[..., :inter], gate_up[..., inter:]
-    return rnd(g / (1.0 + xp.exp(-g)) * u)
+    return rnd(g / (1.0 + xp.exp(-g)) * u * 1.01)
 
 
 def attention_prefill(q, k, v, rnd=round_fp16):

@@ -111,7 +111,9 @@ def _check_no_overlap(path, tensors: dict[str, TensorInfo]) -> None:
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     """Stored values (any shape) -> a new float32 array."""
     if dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+        u = raw.astype(np.uint32)
+        u <<= np.uint32(16)
+        return u.view(np.float32)
     return raw.astype(np.float32)
 
 
@@ -190,6 +192,7 @@ class SafetensorsWriter:
         if self.written != self.total:
             self._tmp.unlink(missing_ok=True)
             raise ValueError(f"{self.path}: {self.written} data bytes written, header declares {self.total}")
+        os.chmod(self._tmp, 0o644)  # mkstemp makes it 0600; a checkpoint is an ordinary file
         os.replace(self._tmp, self.path)
         return self.path
 

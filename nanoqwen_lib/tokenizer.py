@@ -39,9 +39,21 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def token_to_string(token: bytes) -> str:
+@functools.lru_cache(maxsize=1)
+def _tables() -> tuple[dict[int, str], dict[int, int]]:
+    """str.translate tables: latin-1 char of a byte <-> its byte-level character."""
     m = bytes_to_unicode()
-    return "".join(m[b] for b in token)
+    outside = {c: 0xFFFF for c in range(256)}  # latin-1 chars not in the alphabet: made unencodable
+    return dict(m), outside | {ord(c): b for b, c in m.items()}
+
+
+def token_to_string(token: bytes) -> str:
+    return token.decode("latin-1").translate(_tables()[0])
+
+
+def string_to_token(s: str) -> bytes:
+    """Inverse of token_to_string; raises UnicodeEncodeError for a char outside the alphabet."""
+    return s.translate(_tables()[1]).encode("latin-1")
 
 
 def qwen_tiktoken_path() -> Path:
@@ -164,14 +176,13 @@ class StreamDecoder:
 
 
 def _vocab_to_ranks(src, vocab: dict[str, int]) -> dict[bytes, int]:
-    inv = {c: b for b, c in bytes_to_unicode().items()}
     ranks = {}
     for s, i in vocab.items():
         try:
-            ranks[bytes(inv[c] for c in s)] = int(i)
-        except KeyError as e:
+            ranks[string_to_token(s)] = int(i)
+        except UnicodeEncodeError:
             raise CheckpointError(src, f"model.vocab[{s!r}]", "characters of the byte-level alphabet",
-                                  repr(e.args[0])) from None
+                                  repr(s)) from None
     return ranks
 
 

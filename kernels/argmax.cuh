@@ -1,0 +1,67 @@
+// argmax.cuh: the (value, index) reduction shared by nq_argmax (decode_ops.cu) and the fused
+// argmax of nq_lm_head (lm_head.cu). Ties go to the lowest index; NaN never wins (every
+// comparison with NaN is false), so an all-NaN input yields the index V (out of range).
+#pragma once
+
+namespace nq {
+
+struct ArgBest {
+  float v;
+  int i;
+  __device__ __forceinline__ void take(float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+  }
+};
+
+__device__ __forceinline__ ArgBest warp_argmax(ArgBest b) {
+  for (int o = 16; o >= 1; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, b.v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, b.i, o);
+    b.take(ov, oi);
+  }
+  return b;
+}
+
+// Reached by all THREADS threads of every CTA. Each CTA's best goes to part_*[blockIdx.x];
+// the last CTA to bump *counter merges them, writes *token_out and resets *counter to 0.
+// With one CTA the parts and the counter are not touched.
+template <int THREADS>
+__device__ __forceinline__ void argmax_finish(ArgBest b, float* part_val, int* part_idx,
+                                              unsigned* counter, int* token_out) {
+  __shared__ float sv[THREADS / 32];
+  __shared__ int si[THREADS / 32];
+  __shared__ bool is_last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  b = warp_argmax(b);
+  if (lane == 0) { sv[warp] = b.v; si[warp] = b.i; }
+  __syncthreads();   // all threads: sv/si complete
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < THREADS / 32; ++w) b.take(sv[w], si[w]);
+    if (gridDim.x == 1) {
+      *token_out = b.i;
+    } else {
+      part_val[blockIdx.x] = b.v;
+      part_idx[blockIdx.x] = b.i;
+      __threadfence();   // the part is visible before the counter moves
+      is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+  }
+  if (gridDim.x == 1) return;
+  __syncthreads();   // all threads: is_last known
+  if (!is_last) return;
+  __threadfence();
+  ArgBest m{-INFINITY, 0x7fffffff};
+  for (int p = threadIdx.x; p < (int)gridDim.x; p += THREADS)
+    m.take(__ldcg(&part_val[p]), __ldcg(&part_idx[p]));
+  m = warp_argmax(m);
+  __syncthreads();   // all threads: done reading sv/si above before they are reused
+  if (lane == 0) { sv[warp] = m.v; si[warp] = m.i; }
+  __syncthreads();   // all threads: sv/si complete
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < THREADS / 32; ++w) m.take(sv[w], si[w]);
+    *token_out = m.i;
+    *counter = 0u;
+  }
+}
+
+}  // namespace nq

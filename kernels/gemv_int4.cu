@@ -1,0 +1,420 @@
+// gemv_int4.cu: decode GEMVs over INT4 ValueShuffle weights, batch 1, FP32 accumulation.
+//   nq_gemv_int4          out = fp16([residual +] W.x [+ bias]); x fp16 [K]; prmt/magic unpack, mma.sync
+//   nq_gemv_int4_swiglu   same, x = fp16(silu(g) * u) formed on the fly from gate_up fp16 [2K]
+//   nq_quantize_act_int8  x fp16 [K] -> int8 per group of 128 (scale = absmax/127), dp4a byte order
+//   nq_gemv_int4_dp4a     out as nq_gemv_int4 from the int8 activations, __dp4a on INT4->INT8 weights
+// nq-variants: NQ_GEMV_UNROLL=2; NQ_GEMV_MTILES=2; NQ_GEMV_WARPS=8
+//
+// Shapes (runtime): qweight uint32 [N, K/8], scales fp16 [N, K/128], K a multiple of 128,
+// any N >= 1. Tuned for the 7B decode shapes (N 3584..37888, K 3584 / 18944) on an H200.
+//
+// Work split. A CTA owns 16*MTILES output rows (one tensor-core m-tile per MTILES) and a
+// contiguous range of K-groups [gs, ge): blockIdx.y is the split-K slice (ksplit slices in
+// all). Its WARPS warps share the range group by group (warp w takes local groups w,
+// w+WARPS, ...), so every warp streams the same rows. Lane (g, t) = (lane/4, lane%4) reads
+// 16 bytes (32 weights) of rows g and g+8 at byte 16t of each group's 64-byte run: four
+// lanes cover one group of one row, and the warp's load is eight 64-byte runs. Partial sums
+// meet in shared memory (fixed order); with ksplit > 1 each CTA stores its slice's sums to
+// an FP32 workspace and the CTA that arrives last at the tile's counter adds the slices in
+// slice order (deterministic) and runs the epilogue, then resets the counter to 0.
+//
+// What it degrades to: N not a multiple of 16 reads the last row again for the missing rows
+// (never stored); a CTA's range is capped by its dynamic shared memory (the launcher picks
+// ksplit so that ceil(G/ksplit) groups fit).
+#include "common.cuh"
+
+#ifndef NQ_GEMV_WARPS
+#define NQ_GEMV_WARPS 4     // warps per CTA (split of the CTA's K range)
+#endif
+#ifndef NQ_GEMV_UNROLL
+#define NQ_GEMV_UNROLL 4    // groups per warp whose loads are in flight together
+#endif
+#ifndef NQ_GEMV_MTILES
+#define NQ_GEMV_MTILES 1    // 16-row tensor-core tiles per CTA (they share the x fragments)
+#endif
+
+static_assert(NQ_GROUP_SIZE == 128, "the lane map covers one group with 4 lanes x 16 bytes");
+static_assert(NQ_GEMV_WARPS >= 1 && NQ_GEMV_WARPS <= 16, "1..16 warps per CTA");
+static_assert(NQ_GEMV_UNROLL >= 1 && NQ_GEMV_UNROLL <= 8, "1..8 groups in flight per warp");
+static_assert(NQ_GEMV_MTILES == 1 || NQ_GEMV_MTILES == 2, "one or two m-tiles per CTA");
+
+typedef signed char int8_t;
+
+namespace nq {
+
+constexpr int kWarps = NQ_GEMV_WARPS;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kUnroll = NQ_GEMV_UNROLL;
+constexpr int kMTiles = NQ_GEMV_MTILES;
+constexpr int kRows = 16 * kMTiles;
+constexpr int kGroupWords = NQ_GROUP_SIZE / 8;                 // 16 uint32 per row per group
+// FP16 activations in shared memory: each lane's 32-half run is followed by 8 halves of
+// padding, so the four lanes t = 0..3 of a 16-byte read start at banks 0, 20, 8, 28 (no
+// conflicts); lanes with the same t read the same address (broadcast).
+constexpr int kSmemGroupHalves = NQ_GROUP_SIZE + NQ_GROUP_SIZE / 4;   // 160
+
+// ---- bit tricks ------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// One ValueShuffle word -> four half2 (w0,w1) (w2,w3) (w4,w5) (w6,w7), exact signed codes.
+// The word's 16-bit halves hold w0 w2 w4 w6 (low) and w1 w3 w5 w7 (high), 4 bits each, so
+// one mask picks the same nibble of both halves: a consecutive pair at once.
+// Magic numbers: an fp16 whose exponent makes the mantissa's bit 0 worth 1 is 1024 + m
+// (0x6400 | m); with bit 4 worth 1 it is 64 + m/16 (0x5400 | m). A code s in [-8, 7] is a
+// two's-complement nibble n; n ^ 8 = s + 8 (the offset-binary form), so
+//   ((w & 0x000F000F) ^ 0x64086408) = fp16x2(1032 + s)   and  - 1032 gives s exactly,
+//   ((w & 0x00F000F0) ^ 0x54805480) = fp16x2(72 + s)     and  -   72 gives s exactly
+// (one LOP3 and one HSUB2 per pair). prmt moves bytes 1 and 3 down to 0 and 2 (w >> 8
+// inside each half) so the same two masks reach (w4,w5) and (w6,w7).
+constexpr uint32_t kMagicLo = 0x64086408u;   // fp16x2(1032, 1032)
+constexpr uint32_t kMagicHi = 0x54805480u;   // fp16x2(72, 72)
+
+__device__ __forceinline__ void unpack_int4x8_half2(uint32_t w, uint32_t (&p)[4]) {
+  const uint32_t w_hi = prmt(w, 0u, 0x3311u);        // bytes (1,1,3,3): nibbles 2,3 -> 0,1
+  p[0] = hsub2((w & 0x000F000Fu) ^ kMagicLo, kMagicLo);      // (w0, w1)
+  p[1] = hsub2((w & 0x00F000F0u) ^ kMagicHi, kMagicHi);      // (w2, w3)
+  p[2] = hsub2((w_hi & 0x000F000Fu) ^ kMagicLo, kMagicLo);   // (w4, w5)
+  p[3] = hsub2((w_hi & 0x00F000F0u) ^ kMagicHi, kMagicHi);   // (w6, w7)
+}
+
+// D += A.B, m16n8k16, fp16 inputs, fp32 accumulators. A rows are weight rows (g, g+8), the
+// 16 k-slots are whatever k the lanes agree on (slot 2t,2t+1 / 2t+8,2t+9 belong to lane t
+// in A and B alike), B's 8 columns all hold x, so c[0] (row g) and c[2] (row g+8) are the
+// dot products and c[1], c[3] copies.
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Weights are read exactly once per token: keep them out of L1.
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;   // j is a compile-time constant
+}
+
+// ---- one group's registers: 32 weights of each of the lane's rows, and their scales ----
+struct GroupRegs {
+  uint4 w[kMTiles][2];     // [m-tile][row g / row g+8]
+  float s[kMTiles][2];
+};
+
+struct Geometry {          // what every lane needs to address its rows
+  int N, K, G, KW;         // rows, inputs, groups per row, words per row
+  int row0, gs, ng;        // first row of the CTA, first group of its range, groups in it
+  int lane, warp, g, t;
+};
+
+__device__ __forceinline__ void load_group(GroupRegs& r, const uint32_t* __restrict__ qw,
+                                           const half* __restrict__ scales, const Geometry& q,
+                                           int grp) {
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = min(q.row0 + 16 * m + 8 * h + q.g, q.N - 1);
+      const uint4* src = reinterpret_cast<const uint4*>(qw + (size_t)row * q.KW + (size_t)grp * kGroupWords);
+      r.w[m][h] = ldg_stream(src + q.t);
+      r.s[m][h] = __half2float(scales[(size_t)row * q.G + grp]);
+    }
+}
+
+// ---- paths: how x reaches shared memory and how one group is multiplied ----------------
+struct PrmtMmaPath {
+  // x: the lane's 32 halves of this group in padded shared memory (16-byte aligned).
+  static __device__ __forceinline__ int smem_offset_bytes(int local_group, int t) {
+    return (local_group * kSmemGroupHalves + t * (NQ_GROUP_SIZE / 4 + 8)) * 2;
+  }
+  static __device__ __forceinline__ void group(float (&acc)[kMTiles][2], const GroupRegs& r,
+                                               const unsigned char* xs, int /*grp*/,
+                                               const float* /*xscale*/) {
+    uint4 xv[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) xv[j] = reinterpret_cast<const uint4*>(xs)[j];
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};          // sum(code * x) over the group, rows g, g+8
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {               // word j: k = 32t + 8j .. +7 of the group
+        uint32_t pa[4], pb[4];
+        unpack_int4x8_half2(word_of(r.w[m][0], j), pa);
+        unpack_int4x8_half2(word_of(r.w[m][1], j), pb);
+        mma_16816(c, pa[0], pb[0], pa[1], pb[1], xv[j].x, xv[j].y);   // k = 8j + 0..3
+        mma_16816(c, pa[2], pb[2], pa[3], pb[3], xv[j].z, xv[j].w);   // k = 8j + 4..7
+      }
+      acc[m][0] = fmaf(c[0], r.s[m][0], acc[m][0]);   // W = code * scale, per group
+      acc[m][1] = fmaf(c[2], r.s[m][1], acc[m][1]);
+    }
+  }
+  // Every lane of a row's quad holds the full sum already (B's columns are equal).
+  static __device__ __forceinline__ void finish(float (&)[kMTiles][2]) {}
+};
+
+struct Dp4aPath {
+  // xq: the lane's 32 int8 of this group (dp4a byte order, see nq_quantize_act_int8).
+  static __device__ __forceinline__ int smem_offset_bytes(int local_group, int t) {
+    return local_group * NQ_GROUP_SIZE + t * (NQ_GROUP_SIZE / 4);
+  }
+  // INT4 -> INT8 without sign extension: a nibble moved to the top of its byte is the
+  // signed byte 16*s. (w << 4) & 0xF0F0F0F0 puts slots 0,2,4,6 = w0,w4,w1,w5 there, and
+  // w & 0xF0F0F0F0 slots 1,3,5,7 = w2,w6,w3,w7; the quantizer stores x in the same order.
+  static __device__ __forceinline__ void group(float (&acc)[kMTiles][2], const GroupRegs& r,
+                                               const unsigned char* xs, int grp,
+                                               const float* __restrict__ xscale) {
+    const uint4 xa = reinterpret_cast<const uint4*>(xs)[0];   // words 0, 1 of the lane
+    const uint4 xb = reinterpret_cast<const uint4*>(xs)[1];   // words 2, 3
+    const uint32_t xq[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    const float xsc = xscale[grp] * 0.0625f;                   // / 16 undoes the nibble shift
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int dot = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t w = word_of(r.w[m][h], j);
+          dot = __dp4a((int)((w << 4) & 0xF0F0F0F0u), (int)xq[2 * j], dot);
+          dot = __dp4a((int)(w & 0xF0F0F0F0u), (int)xq[2 * j + 1], dot);
+        }
+        // |dot| <= 32 * 128 * 127 < 2^24: exact in fp32.
+        acc[m][h] = fmaf((float)dot, r.s[m][h] * xsc, acc[m][h]);
+      }
+  }
+  // The four lanes of a quad hold partial sums over k-quarters: add them.
+  static __device__ __forceinline__ void finish(float (&acc)[kMTiles][2]) {
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        acc[m][h] += __shfl_xor_sync(0xffffffffu, acc[m][h], 1);
+        acc[m][h] += __shfl_xor_sync(0xffffffffu, acc[m][h], 2);
+      }
+  }
+};
+
+// ---- staging: the CTA's K range of activations into shared memory ----------------------
+// Plain: copy x, 16 bytes at a time, into the padded layout (chunk c -> c + c/4).
+__device__ __forceinline__ void stage_x(unsigned char* xs, const half* __restrict__ x, const Geometry& q) {
+  const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)q.gs * NQ_GROUP_SIZE);
+  uint4* dst = reinterpret_cast<uint4*>(xs);
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += kThreads) dst[c + c / 4] = src[c];
+}
+
+__device__ __forceinline__ float silu_mul(half g, half u) {
+  const float gf = __half2float(g);
+  return gf / (1.0f + expf(-gf)) * __half2float(u);      // silu(g) * u, fp32
+}
+
+// SwiGLU: act = fp16(silu(g) * u) for the CTA's range, g = gate_up[k], u = gate_up[K + k].
+__device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __restrict__ gate_up,
+                                             const Geometry& q) {
+  const uint4* gsrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.gs * NQ_GROUP_SIZE);
+  const uint4* usrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.K + (size_t)q.gs * NQ_GROUP_SIZE);
+  uint4* dst = reinterpret_cast<uint4*>(xs);
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += kThreads) {
+    const uint4 gv = gsrc[c], uv = usrc[c];
+    const half* gh = reinterpret_cast<const half*>(&gv);
+    const half* uh = reinterpret_cast<const half*>(&uv);
+    uint4 av;
+    half* ah = reinterpret_cast<half*>(&av);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ah[i] = __float2half_rn(silu_mul(gh[i], uh[i]));
+    dst[c + c / 4] = av;
+  }
+}
+
+// INT8 activations: a plain copy (no padding: 32-byte lane runs are conflict-free).
+__device__ __forceinline__ void stage_xq(unsigned char* xs, const int8_t* __restrict__ xq, const Geometry& q) {
+  const uint4* src = reinterpret_cast<const uint4*>(xq + (size_t)q.gs * NQ_GROUP_SIZE);
+  uint4* dst = reinterpret_cast<uint4*>(xs);
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 16); c += kThreads) dst[c] = src[c];
+}
+
+// ---- the body shared by the three GEMVs ------------------------------------------------
+struct Epilogue {
+  half* out; const half* bias; const half* residual;   // bias / residual may be null
+  float* ws; int* counters; int ksplit;
+};
+
+// out[row] = fp16(residual + (dot + bias)); residual may alias out (each row is read and
+// written by the same thread, once).
+__device__ __forceinline__ void store_row(const Epilogue& e, int row, float dot) {
+  float v = dot;
+  if (e.bias) v += __half2float(e.bias[row]);
+  if (e.residual) v = __half2float(e.residual[row]) + v;
+  e.out[row] = __float2half_rn(v);
+}
+
+template <class Path, class Stage>
+__device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __restrict__ qw,
+                                          const half* __restrict__ scales, const float* xscale,
+                                          const Epilogue& e, int N, int K) {
+  extern __shared__ __align__(16) unsigned char xs[];
+  __shared__ float red[kWarps][kRows];
+  __shared__ int is_last;
+
+  Geometry q;
+  q.N = N; q.K = K; q.G = K / NQ_GROUP_SIZE; q.KW = K / 8;
+  q.row0 = blockIdx.x * kRows;
+  q.gs = (int)((long long)blockIdx.y * q.G / e.ksplit);
+  q.ng = (int)((long long)(blockIdx.y + 1) * q.G / e.ksplit) - q.gs;
+  q.lane = threadIdx.x & 31; q.warp = threadIdx.x >> 5; q.g = q.lane >> 2; q.t = q.lane & 3;
+
+  // Local groups of this warp: warp, warp + kWarps, ...; batches of kUnroll of them.
+  const int mine = q.warp < q.ng ? (q.ng - q.warp + kWarps - 1) / kWarps : 0;
+  const int batches = (mine + kUnroll - 1) / kUnroll;
+  auto local_group = [&](int b, int u) { return q.warp + kWarps * (b * kUnroll + u); };
+
+  GroupRegs ra[kUnroll], rb[kUnroll];
+  auto load_batch = [&](GroupRegs (&r)[kUnroll], int b) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (local_group(b, u) < q.ng) load_group(r[u], qw, scales, q, q.gs + local_group(b, u));
+  };
+  float acc[kMTiles][2];
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m) acc[m][0] = acc[m][1] = 0.f;
+  auto compute_batch = [&](const GroupRegs (&r)[kUnroll], int b) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int lg = local_group(b, u);
+      if (lg < q.ng) Path::group(acc, r[u], xs + Path::smem_offset_bytes(lg, q.t), q.gs + lg, xscale);
+    }
+  };
+
+  // The first batch's weight loads fly while the CTA stages its activations.
+  if (batches > 0) load_batch(ra, 0);
+  stage(xs, q);
+  __syncthreads();   // all threads: the staged activations are complete
+  // Ping-pong between two register sets: batch b+1 is in flight while b is multiplied.
+#pragma unroll 1
+  for (int b = 0; b < batches; b += 2) {
+    if (b + 1 < batches) load_batch(rb, b + 1);
+    compute_batch(ra, b);
+    if (b + 1 < batches) {
+      if (b + 2 < batches) load_batch(ra, b + 2);
+      compute_batch(rb, b + 1);
+    }
+  }
+  Path::finish(acc);
+
+  if (q.t == 0)
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+      red[q.warp][16 * m + q.g] = acc[m][0];
+      red[q.warp][16 * m + q.g + 8] = acc[m][1];
+    }
+  __syncthreads();   // all threads: red[][] is complete
+  const int tid = threadIdx.x;
+  const int row = q.row0 + tid;
+  float dot = 0.f;
+  if (tid < kRows) {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) dot += red[w][tid];
+  }
+  if (e.ksplit == 1) {
+    if (tid < kRows && row < N) store_row(e, row, dot);
+    return;
+  }
+  // Split-K: publish this slice, then the last CTA of the tile adds the slices in order.
+  if (tid < kRows && row < N) {
+    e.ws[(size_t)blockIdx.y * N + row] = dot;
+    __threadfence();                       // the slice is visible before the counter moves
+  }
+  __syncthreads();   // all threads: this CTA's slice is stored and fenced
+  if (tid == 0) is_last = atomicAdd(&e.counters[blockIdx.x], 1) == e.ksplit - 1;
+  __syncthreads();   // all threads: is_last is known
+  if (!is_last) return;
+  __threadfence();
+  if (tid < kRows && row < N) {
+    float v = 0.f;
+    for (int s = 0; s < e.ksplit; ++s) v += __ldcg(&e.ws[(size_t)s * N + row]);   // L2, not L1
+    store_row(e, row, v);
+  }
+  if (tid == 0) e.counters[blockIdx.x] = 0;   // ready for the next launch
+}
+
+struct StageX { const half* x;
+  __device__ void operator()(unsigned char* xs, const Geometry& q) const { stage_x(xs, x, q); } };
+struct StageSwiglu { const half* gate_up;
+  __device__ void operator()(unsigned char* xs, const Geometry& q) const { stage_swiglu(xs, gate_up, q); } };
+struct StageXq { const int8_t* xq;
+  __device__ void operator()(unsigned char* xs, const Geometry& q) const { stage_xq(xs, xq, q); } };
+
+}  // namespace nq
+
+// grid (ceil(N / (16*MTILES)), ksplit), block 32*WARPS, dynamic smem ceil(G/ksplit)*320 B.
+extern "C" __global__ void __launch_bounds__(nq::kThreads)
+nq_gemv_int4(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
+             half* out, const half* bias, const half* residual, float* ws, int* counters,
+             int N, int K, int ksplit) {
+  nq::gemv_body<nq::PrmtMmaPath>(nq::StageX{x}, qw, scales, nullptr,
+                                 nq::Epilogue{out, bias, residual, ws, counters, ksplit}, N, K);
+}
+
+// gate_up fp16 [2K] (gate rows then up rows); K = intermediate. Same grid as nq_gemv_int4.
+extern "C" __global__ void __launch_bounds__(nq::kThreads)
+nq_gemv_int4_swiglu(const half* __restrict__ gate_up, const uint32_t* __restrict__ qw,
+                    const half* __restrict__ scales, half* out, const half* bias, const half* residual,
+                    float* ws, int* counters, int N, int K, int ksplit) {
+  nq::gemv_body<nq::PrmtMmaPath>(nq::StageSwiglu{gate_up}, qw, scales, nullptr,
+                                 nq::Epilogue{out, bias, residual, ws, counters, ksplit}, N, K);
+}
+
+// xq int8 [K] in dp4a byte order, xscale fp32 [K/128]. Dynamic smem ceil(G/ksplit)*128 B.
+extern "C" __global__ void __launch_bounds__(nq::kThreads)
+nq_gemv_int4_dp4a(const int8_t* __restrict__ xq, const float* __restrict__ xscale,
+                  const uint32_t* __restrict__ qw, const half* __restrict__ scales, half* out,
+                  const half* bias, const half* residual, float* ws, int* counters,
+                  int N, int K, int ksplit) {
+  nq::gemv_body<nq::Dp4aPath>(nq::StageXq{xq}, qw, scales, xscale,
+                              nq::Epilogue{out, bias, residual, ws, counters, ksplit}, N, K);
+}
+
+// One half-warp per group of 128: lane l quantizes x[8l .. 8l+7] of it. scale = absmax/127
+// (fp32, IEEE division), q = rint(x / scale) (0 when the group is all zero). Within each run
+// of 8, bytes are stored as [q0 q4 q1 q5 | q2 q6 q3 q7], the order the dp4a GEMV's
+// INT4 -> INT8 expansion produces (see Dp4aPath). grid ceil(G / (blockDim/16)).
+extern "C" __global__ void nq_quantize_act_int8(const half* __restrict__ x, int8_t* __restrict__ xq,
+                                                float* __restrict__ xscale, int K) {
+  const int G = K / NQ_GROUP_SIZE;
+  const int grp = (blockIdx.x * blockDim.x + threadIdx.x) / 16;
+  const int l = threadIdx.x & 15;
+  const bool live = grp < G;
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (live) v = reinterpret_cast<const uint4*>(x + (size_t)grp * NQ_GROUP_SIZE)[l];
+  const half* h = reinterpret_cast<const half*>(&v);
+  float f[8], amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) { f[i] = __half2float(h[i]); amax = fmaxf(amax, fabsf(f[i])); }
+#pragma unroll
+  for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!live) return;
+  const float scale = amax / 127.0f;
+  uint32_t b[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) b[i] = (uint32_t)(scale > 0.f ? __float2int_rn(f[i] / scale) : 0) & 0xFFu;
+  const uint32_t lo = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24;   // q0 q1 q2 q3
+  const uint32_t hi = b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24;   // q4 q5 q6 q7
+  // prmt selector nibbles pick bytes of {hi:lo} (0-3 lo, 4-7 hi) for result bytes 0..3.
+  uint2 out = make_uint2(nq::prmt(lo, hi, 0x5140u), nq::prmt(lo, hi, 0x7362u));
+  reinterpret_cast<uint2*>(xq + (size_t)grp * NQ_GROUP_SIZE)[l] = out;
+  if (l == 0) xscale[grp] = scale;
+}

@@ -1,0 +1,69 @@
+"""Cached synthetic models for the demo, the chapters and the tests (never in the repo)."""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .cache import cache_dir, synthetic_checkpoint
+from .packer import pack_checkpoint
+
+
+def packed_synthetic(dims_name: str = "tiny", seed: int = 0, progress: bool = False) -> Path:
+    """The .nanoqwen file of the synthetic `dims_name` checkpoint, packed once and cached."""
+    out = cache_dir() / f"{dims_name}-seed{seed}.nanoqwen"
+    if not out.exists():
+        pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed), out, progress=progress)
+    return out
+
+
+# A 7B checkpoint in bf16 is 15 GB and packing it quantizes 7.6e9 weights: minutes of CPU.
+# For GPU tests and benchmarks, where speed does not depend on weight values, the packed
+# file can be written directly: uniform INT4 codes in [-7, 7] (what the quantizer emits)
+# and per-group FP16 scales chosen so the dequantized weights have the same std as the
+# synthesizer's recipe; the FP16 tensors are the synthesizer's own values.
+CODE_STD = float(np.sqrt(np.mean(np.arange(-7, 8) ** 2)))   # std of codes uniform in [-7, 7]
+_PAIR_LUT = np.array([((lo & 0xF) | ((hi & 0xF) << 4)) for hi in range(-7, 8) for lo in range(-7, 8)],
+                     dtype=np.uint8)                          # 225 byte values: two codes each
+
+
+def _direct_producer(dims, seed):
+    from .synth import _chunks, generate_chunk, tensor_recipe
+
+    def produce(name, dtype, shape):
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        if name.endswith(".qweight"):
+            out = np.empty(shape, np.uint32)
+            flat = out.view(np.uint8).reshape(-1)
+            step = 1 << 26
+            for i in range(0, flat.size, step):   # codes iid uniform: nibble order is immaterial
+                flat[i:i + step] = _PAIR_LUT[rng.integers(0, 225, min(step, flat.size - i), dtype=np.uint8)]
+            return out
+        if name.endswith(".scales"):
+            _, std, _ = tensor_recipe(name[: -len(".scales")] + ".weight", dims)
+            jitter = np.exp(0.1 * rng.standard_normal(shape, dtype=np.float32))
+            return (std / CODE_STD * jitter).astype(np.float16)
+        parts = [generate_chunk(name, dims, seed, shape, k, r0, r1)
+                 for k, (r0, r1) in enumerate(_chunks(shape))]
+        bits = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float16).reshape(shape)
+    return produce
+
+
+def packed_synthetic_direct(dims_name: str = "7b", seed: int = 0, progress: bool = False) -> Path:
+    """A .nanoqwen file of `dims_name` written directly (no bf16 checkpoint), cached."""
+    from .config import load
+    from .weightfile import write_nanoqwen
+    out = cache_dir() / f"{dims_name}-seed{seed}-direct.nanoqwen"
+    if not out.exists():
+        dims = load().model(dims_name)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            from .fileformat import plan_layout
+            bar = tqdm(total=plan_layout(dims)[2], unit="B", unit_scale=True, desc=out.name)
+        write_nanoqwen(out, dims, _direct_producer(dims, seed), progress=bar.update if bar else None)
+        if bar:
+            bar.close()
+    return out

@@ -1,0 +1,271 @@
+"""The book's machinery, checked on a CPU without building it (jupyter-book is too slow here).
+
+* every chapter is a jupytext pair book/NN-name.md + .ipynb whose cells agree;
+* _toc.yml lists exactly the chapters that exist; _config.yml renders the committed
+  outputs (no execution) and excludes the .md twins;
+* every {literalinclude} points at code that exists;
+* the committed .ipynb are one clean top-to-bottom run (the goldens nbval compares with);
+* book/sanitize.cfg hides addresses, timings and temp paths, and nothing else;
+* conftest.py: a `gpu`-tagged cell runs but is not compared without a GPU, an untagged one
+  is compared, a `gpu`-marked test is skipped.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOK = ROOT / "book"
+CHAPTER_RE = re.compile(r"^\d\d-[a-z0-9-]+$")
+PAIRING = "ipynb,md:myst"
+
+
+def chapter_stems() -> list[str]:
+    """book/NN-name for every chapter file present, .md or .ipynb."""
+    stems = {p.stem for p in BOOK.glob("[0-9][0-9]-*") if p.suffix in (".md", ".ipynb")}
+    return sorted(stems)
+
+
+def toc_files() -> list[str]:
+    """Every `file:` of _toc.yml (root first), in order, parts and sections included."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+
+    def walk(entries):
+        for e in entries or []:
+            if "file" in e:
+                files.append(e["file"])
+            walk(e.get("sections"))
+            walk(e.get("chapters"))
+
+    walk(toc.get("chapters"))
+    for part in toc.get("parts", []):
+        walk(part.get("chapters"))
+    return files
+
+
+def read_pair(stem: str):
+    import jupytext
+
+    md = jupytext.read(BOOK / f"{stem}.md")
+    nb = nbformat.read(BOOK / f"{stem}.ipynb", as_version=4)
+    return md, nb
+
+
+def cell_view(cell) -> tuple:
+    """What must agree between a chapter's .md and its .ipynb: type, source, nbval tags."""
+    tags = tuple(cell.metadata.get("tags", [])) if cell.cell_type == "code" else ()
+    return cell.cell_type, cell.source.strip(), tags
+
+
+# ----------------------------------------------------------------------------- pairs, toc
+
+def test_chapter_names_are_nn_name():
+    for p in BOOK.iterdir():
+        if p.suffix in (".md", ".ipynb") and p.name != "index.md":
+            assert CHAPTER_RE.match(p.stem), f"book/{p.name}: expected NN-name (lowercase, dashes)"
+
+
+@pytest.mark.parametrize("stem", chapter_stems())
+def test_chapter_is_a_jupytext_pair(stem):
+    for suffix in (".md", ".ipynb"):
+        assert (BOOK / f"{stem}{suffix}").exists(), \
+            f"book/{stem}{suffix}: expected the twin of book/{stem} (jupytext --sync book/{stem}.md)"
+    md, nb = read_pair(stem)
+    for where, meta in ((".md", md.metadata), (".ipynb", nb.metadata)):
+        found = meta.get("jupytext", {}).get("formats")
+        assert found == PAIRING, f"book/{stem}{where}: jupytext.formats expected {PAIRING!r}, found {found!r}"
+
+
+@pytest.mark.parametrize("stem", chapter_stems())
+def test_chapter_md_and_ipynb_cells_agree(stem):
+    md, nb = read_pair(stem)
+    a, b = [cell_view(c) for c in md.cells], [cell_view(c) for c in nb.cells]
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x == y, (f"book/{stem}: cell {i} differs between .md and .ipynb "
+                        f"(md: {x[0]} {x[1][:60]!r} tags {x[2]}; ipynb: {y[0]} {y[1][:60]!r} "
+                        f"tags {y[2]}); run `jupytext --sync book/{stem}.md` and re-execute")
+    assert len(a) == len(b), f"book/{stem}: expected {len(a)} cells in the .ipynb (as in the .md), found {len(b)}"
+
+
+def test_toc_lists_exactly_the_chapters_that_exist():
+    files = toc_files()
+    assert files[0] == "book/index" and (ROOT / "book/index.md").exists()
+    assert len(files) == len(set(files)), f"_toc.yml: a file listed twice: {files}"
+    listed = files[1:]
+    for f in listed:
+        assert (ROOT / f"{f}.ipynb").exists(), f"_toc.yml: {f}: expected {f}.ipynb, found no such file"
+    assert sorted(Path(f).name for f in listed) == chapter_stems(), \
+        f"_toc.yml: chapters expected {chapter_stems()}, found {listed}"
+    assert listed == sorted(listed), f"_toc.yml: chapters expected in NN order, found {listed}"
+
+
+def test_config_renders_committed_outputs_and_excludes_md_twins():
+    from sphinx.util.matching import Matcher
+
+    cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert cfg["execute"]["execute_notebooks"] == "off", "_config.yml: execute.execute_notebooks"
+    assert cfg["only_build_toc_files"] is True, "_config.yml: only_build_toc_files"
+    excluded = Matcher(cfg["exclude_patterns"])
+    for stem in chapter_stems():
+        assert excluded(f"book/{stem}.md"), f"_config.yml: exclude_patterns must exclude book/{stem}.md"
+        assert not excluded(f"book/{stem}.ipynb"), f"_config.yml: exclude_patterns excludes book/{stem}.ipynb"
+    assert not excluded("book/index.md"), "_config.yml: exclude_patterns excludes book/index.md"
+
+
+def test_jupytext_toml_pairs_ipynb_with_myst():
+    text = (ROOT / "jupytext.toml").read_text()
+    assert re.search(r'^formats\s*=\s*"ipynb,md:myst"\s*$', text, re.M), "jupytext.toml: formats"
+
+
+# ----------------------------------------------------------------------------- literalinclude
+
+LITERALINCLUDE_RE = re.compile(r"```\{literalinclude\}\s+(\S+)\n((?::[\w-]+:.*\n)*)```")
+
+
+def literalincludes():
+    for src in sorted(BOOK.glob("*.md")):
+        for m in LITERALINCLUDE_RE.finditer(src.read_text()):
+            opts = dict(re.findall(r":([\w-]+):\s*(.*)", m.group(2)))
+            yield pytest.param(src, m.group(1), opts, id=f"{src.name}:{m.group(1)}:{opts.get('pyobject', '')}")
+
+
+def python_objects(path: Path) -> set[str]:
+    """Dotted names of the functions and classes (and their methods) of a module."""
+    names = set()
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(prefix + child.name)
+                visit(child, prefix + child.name + ".")
+
+    visit(ast.parse(path.read_text()), "")
+    return names
+
+
+@pytest.mark.parametrize("src,target,opts", list(literalincludes()))
+def test_literalinclude_targets_exist(src, target, opts):
+    path = ROOT / target.lstrip("/") if target.startswith("/") else src.parent / target
+    assert path.exists(), f"{src.relative_to(ROOT)}: literalinclude {target}: expected a file, found none"
+    if "pyobject" in opts:
+        assert opts["pyobject"] in python_objects(path), \
+            f"{src.relative_to(ROOT)}: :pyobject: {opts['pyobject']} expected in {target}, not found"
+    text = path.read_text()
+    for key in ("start-after", "end-before"):
+        if key in opts:
+            assert opts[key] in text, f"{src.relative_to(ROOT)}: :{key}: {opts[key]!r} not in {target}"
+
+
+def test_chapters_show_library_code():
+    """At least the two chapters of this piece include real library code, not copies."""
+    found = {param.values[0].name for param in literalincludes()}
+    assert {"00-path-of-a-token.md", "02-int4-packing.md"} <= found
+
+
+# ----------------------------------------------------------------------------- goldens
+
+@pytest.mark.parametrize("stem", chapter_stems())
+def test_golden_is_one_clean_run(stem):
+    """The committed outputs come from one top-to-bottom execution; errors only where tagged."""
+    nb = nbformat.read(BOOK / f"{stem}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    counts = [c.execution_count for c in code]
+    assert counts == list(range(1, len(code) + 1)), \
+        f"book/{stem}.ipynb: execution counts expected 1..{len(code)}, found {counts} (jupyter execute --inplace)"
+    for i, c in enumerate(code):
+        raised = any(o.output_type == "error" for o in c.outputs)
+        tagged = "raises-exception" in c.metadata.get("tags", [])
+        assert raised == tagged, (f"book/{stem}.ipynb: code cell {i} "
+                                  f"{'raised' if raised else 'did not raise'} but is "
+                                  f"{'' if tagged else 'not '}tagged raises-exception")
+
+
+def test_goldens_carry_no_local_paths():
+    for nb_path in sorted(BOOK.glob("*.ipynb")):
+        text = nb_path.read_text()
+        for bad in ("/home/", "/Users/"):
+            assert bad not in text, f"{nb_path.relative_to(ROOT)}: a local path {bad}... in the outputs"
+
+
+# ----------------------------------------------------------------------------- sanitize
+
+def sanitize(text: str) -> str:
+    from nbval.plugin import get_sanitize_patterns
+
+    raw = (BOOK / "sanitize.cfg").read_bytes()
+    raw.decode("ascii")  # nbval opens it with the locale's encoding: keep it ASCII
+    for regex, replace in get_sanitize_patterns(raw.decode()):
+        text = re.sub(regex, replace, text)
+    return text
+
+
+@pytest.mark.parametrize("before,after", [
+    ("<Foo object at 0x7f3a2c1d5e90>", "<Foo object at 0xADDRESS>"),
+    ("CPU times: user 1.2 ms, sys: 0 ns, total: 1.2 ms", "CPU times: TIME"),
+    ("Wall time: 2.5 s", "Wall time: TIME"),
+    ("12.3 ms \u00b1 45.6 \u00b5s per loop (mean \u00b1 std. dev. of 7 runs, 100 loops each)",
+     "TIME per loop"),
+    ("10/10 [00:01<00:00, 9.87it/s]", "10/10 [TQDM]"),
+    ("wrote /tmp/tmpk2j3/model.nanoqwen", "wrote TMPPATH"),
+    ("packing took 3.2 s", "packing took TIME"),
+])
+def test_sanitize_hides_what_varies(before, after):
+    assert sanitize(before) == after
+
+
+@pytest.mark.parametrize("stable", [
+    "packed word  = 0x2CF37509",
+    "decode floor      0.997 ms per token = 1003 tokens/s",
+    "prefill floor (compute) 8.53 ms at 790 TFLOP/s",
+])
+def test_sanitize_keeps_what_is_compared(stable):
+    assert sanitize(stable) == stable
+
+
+# ----------------------------------------------------------------------------- conftest
+
+def _notebook(cells):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for source, stored, tags in cells:
+        c = nbformat.v4.new_code_cell(source, metadata={"tags": tags} if tags else {})
+        c.execution_count = 1
+        c.outputs = [nbformat.v4.new_output("stream", name="stdout", text=stored)]
+        nb.cells.append(c)
+    return nb
+
+
+def test_conftest_gpu_cells_and_gpu_tests(tmp_path):
+    """Run the real conftest.py on a scratch notebook with nbval in a child pytest."""
+    from nanoqwen_lib.cuda_build import have_gpu
+
+    (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    nbformat.write(_notebook([("print('cpu')", "h200\n", ["gpu"]),   # differs, tagged gpu
+                              ("print(1 + 1)", "2\n", [])]), tmp_path / "good.ipynb")
+    nbformat.write(_notebook([("print(1 + 1)", "3\n", [])]), tmp_path / "bad.ipynb")
+    (tmp_path / "test_marks.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_needs_gpu():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--nbval", "-v", "-p", "no:cacheprovider",
+         "-o", "markers=gpu: needs a GPU", "good.ipynb", "bad.ipynb", "test_marks.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    gpu = have_gpu()
+    expect = {  # nbval 0.11 names a cell item "good::ipynb::Cell 0" in -v output
+        r"good(\.|::)ipynb::Cell 0": "FAILED" if gpu else "PASSED",  # compared only on a GPU
+        r"good(\.|::)ipynb::Cell 1": "PASSED",
+        r"bad(\.|::)ipynb::Cell 0": "FAILED",                        # untagged: compared
+        r"test_marks\.py::test_needs_gpu": "PASSED" if gpu else "SKIPPED",
+    }
+    for item, verdict in expect.items():
+        assert re.search(rf"{item} {verdict}", out), f"{item}: expected {verdict}\n{out[-3000:]}"
