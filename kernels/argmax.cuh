@@ -5,6 +5,9 @@
 
 namespace nq {
 
+// -inf without <math.h> (NVRTC): the bit pattern of fp32 -infinity.
+#define NQ_NEG_INF __int_as_float(0xff800000)
+
 struct ArgBest {
   float v;
   int i;
@@ -50,7 +53,7 @@ __device__ __forceinline__ void argmax_finish(ArgBest b, float* part_val, int* p
   __syncthreads();   // all threads: is_last known
   if (!is_last) return;
   __threadfence();
-  ArgBest m{-INFINITY, 0x7fffffff};
+  ArgBest m{NQ_NEG_INF, 0x7fffffff};
   for (int p = threadIdx.x; p < (int)gridDim.x; p += THREADS)
     m.take(__ldcg(&part_val[p]), __ldcg(&part_idx[p]));
   m = warp_argmax(m);

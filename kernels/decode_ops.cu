@@ -79,7 +79,7 @@ nq_embed(const int* __restrict__ token, const half* __restrict__ table, half* __
 extern "C" __global__ void __launch_bounds__(nq::kDecThreads)
 nq_argmax(const float* __restrict__ logits, int V, float* part_val, int* part_idx,
           unsigned* counter, int* token_out) {
-  nq::ArgBest best{-INFINITY, V};
+  nq::ArgBest best{NQ_NEG_INF, V};
   const int V4 = ((size_t)logits & 15) == 0 ? V / 4 : 0;
   const int stride = gridDim.x * nq::kDecThreads;
   for (int c = blockIdx.x * nq::kDecThreads + threadIdx.x; c < V4; c += stride) {

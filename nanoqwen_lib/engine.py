@@ -109,36 +109,62 @@ class GpuBackend:
 
     # -- host side of one step: the four scalars and the block table, in one copy each
     def _set_scalars(self, token: int, position: int) -> None:
-        page = position // KV.page_tokens          # identity page map: one sequence, batch 1
-        slot = page * KV.page_tokens + position % KV.page_tokens
+        page = self.block_table_host[position // KV.page_tokens]
+        slot = int(page) * KV.page_tokens + position % KV.page_tokens
         for name, v in zip(SCALARS, (token, position, position + 1, slot)):
             self.host_scalars[SCALARS.index(name) * SCALAR_STRIDE] = v
         self.arena["s.scalars"].set(self.host_scalars)
 
-    def reset(self) -> None:
+    def reset(self, physical_pages=None) -> None:
+        """Start a new sequence. Logical page i lives in physical page physical_pages[i]
+        (default: in order; tests pass a permutation to exercise the block table)."""
         self.position = 0
-        self.arena["s.block_table"].set(np.arange(self.pages, dtype=np.int32))
+        pages = np.arange(self.pages) if physical_pages is None else np.asarray(physical_pages)
+        assert sorted(pages.tolist()) == list(range(self.pages)), "a permutation of the pool's pages"
+        self.block_table_host = pages.astype(np.int32)
+        self.arena["s.block_table"].set(self.block_table_host)
 
     def decode_step(self) -> None:
         """Enqueue the whole model for the token/position in the scalars (no host sync)."""
+        self.embed_step()
+        for l in range(self.dims.num_layers):
+            self.layer_step(l)
+        self.head_step()
+
+    def embed_step(self) -> None:
+        g, a = self.gemv, self.arena
+        g.embed(self.scalar["token"], a["w.embed"], a["a.x"])
+
+    def layer_step(self, l: int) -> None:
+        """One decoder layer on a.x (in place), K/V of this position appended to the cache."""
         a, d, g, at = self.arena, self.dims, self.gemv, self.attn
-        x, y = a["a.x"], a["a.y"]
-        g.embed(self.scalar["token"], a["w.embed"], x)
-        for l in range(d.num_layers):
-            w = f"w.{l}."
-            g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)
-            g.gemv_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], a["a.qkv"], bias=a[w + "qkv.bias"])
-            at.rope_append_kv(a["a.qkv"], self.scalar["position"], self.scalar["slot"],
-                              self.kv[l, 0], self.kv[l, 1], a["a.q"], d)
-            at.paged_attention(a["a.q"], self.kv[l, 0], self.kv[l, 1], a["s.block_table"],
-                               self.scalar["context_len"], a["a.attn"], self.workspace)
-            g.gemv_int4(a["a.attn"], a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)
-            g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)
-            g.gemv_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], a["a.gate_up"])
-            g.gemv_int4_swiglu(a["a.gate_up"], a[w + "down.qweight"], a[w + "down.scales"], x, residual=x)
-        g.rmsnorm(x, a["w.norm"], y, d.rms_eps)
-        g.lm_head(y, self.lm_head, a["a.logits"])
+        x, y, w = a["a.x"], a["a.y"], f"w.{l}."
+        g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)
+        g.gemv_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], a["a.qkv"], bias=a[w + "qkv.bias"])
+        at.rope_append_kv(a["a.qkv"], self.scalar["position"], self.scalar["slot"],
+                          self.kv[l, 0], self.kv[l, 1], a["a.q"], d)
+        at.paged_attention(a["a.q"], self.kv[l, 0], self.kv[l, 1], a["s.block_table"],
+                           self.scalar["context_len"], a["a.attn"], self.workspace)
+        g.gemv_int4(a["a.attn"], a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)
+        g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)
+        g.gemv_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], a["a.gate_up"])
+        g.gemv_int4_swiglu(a["a.gate_up"], a[w + "down.qweight"], a[w + "down.scales"], x, residual=x)
+
+    def head_step(self) -> None:
+        a, g = self.arena, self.gemv
+        g.rmsnorm(a["a.x"], a["w.norm"], a["a.y"], self.dims.rms_eps)
+        g.lm_head(a["a.y"], self.lm_head, a["a.logits"])
         g.argmax(a["a.logits"], self.scalar["token"])
+
+    def cached_kv(self, layer: int, n: int):
+        """K, V of positions [0, n) of `layer` gathered from the pages: [n, kv_heads, d] each."""
+        pages = self.arena["s.block_table"].get()
+        out = []
+        for which in (0, 1):
+            pool = self.kv[layer, which]                   # [pages, kv_heads, page_tokens, d]
+            rows = pool[self.cp.asarray(pages[: -(-n // KV.page_tokens)])]
+            out.append(rows.transpose(0, 2, 1, 3).reshape(-1, self.dims.num_kv_heads, self.dims.head_dim)[:n])
+        return out
 
     def _step(self, token: int) -> int:
         if self.position >= self.max_tokens:
@@ -149,9 +175,9 @@ class GpuBackend:
         self.position += 1
         return int(self.scalar["token"].get()[0])
 
-    def prefill(self, ids: list[int]) -> int:
+    def prefill(self, ids: list[int], physical_pages=None) -> int:
         check_request(self.dims, list(ids), 1, self.max_tokens)
-        self.reset()
+        self.reset(physical_pages)
         nxt = None
         for t in ids:
             nxt = self._step(int(t))
