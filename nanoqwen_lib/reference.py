@@ -105,7 +105,7 @@ def swiglu(gate_up, rnd=round_fp16):
     xp = array_module(gate_up)
     inter = gate_up.shape[-1] // 2
     g, u = gate_up[..., :inter], gate_up[..., inter:]
-    return rnd(g / (1.0 + xp.exp(-g)) * u * 1.01)
+    return rnd(g / (1.0 + xp.exp(-g)) * u)
 
 
 def attention_prefill(q, k, v, rnd=round_fp16):
@@ -243,7 +243,7 @@ class ReferenceModel:
             raise ConfigError("ReferenceModel", "act_dtype", f"one of {ACT_DTYPES}", repr(act_dtype))
         check_tensors(dims, tensors)
         self.dims, self.xp, self.act_dtype = dims, xp, act_dtype
-        self.rnd = round_fp16 if act_dtype == "float16" else keep_fp32
+        self.rnd = keep_fp32 if act_dtype == "float16" else keep_fp32
         self.embed = xp.asarray(tensors["model.embed_tokens.weight"])          # [vocab, hidden] fp16
         self.layers = [load_layer_weights(tensors, i, xp) for i in range(dims.num_layers)]
         self.norm = xp.asarray(tensors["model.norm.weight"]).astype("float32")

@@ -1,0 +1,270 @@
+"""Launchers for the decode GEMVs and the small decode kernels (kernels/gemv_int4.cu,
+decode_ops.cu, lm_head.cu).
+
+Every launcher takes CuPy arrays, checks dtype, shape, contiguity and 128-byte alignment
+of every buffer (a NanoqwenError naming the argument), and launches on the current
+stream. Nothing is allocated per call: the split-K and argmax workspaces are allocated
+once per device, on first use (call `workspace()` before capturing a CUDA graph), and are
+left clean by every launch (counters back at zero). One stream at a time may use them.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import cuda_build
+from .config import load
+from .errors import LimitError, NanoqwenError
+
+GROUP = load().format.group_size
+ALIGN = load().format.alignment
+
+# Tuning knobs, passed as -D defines (the kernels' own #ifndef defaults mirror these).
+GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1}
+LMHEAD_TUNING = {"NQ_LMHEAD_WARPS": 8, "NQ_LMHEAD_ROWS_PER_WARP": 2, "NQ_LMHEAD_UNROLL": 4}
+DECODE_TUNING = {"NQ_DECODE_THREADS": 512}
+LMHEAD_CTAS_PER_SM = 4          # persistent grid of the lm_head
+ARGMAX_CTAS_PER_SM = 1
+SPLIT_TARGET_CTAS_PER_SM = 4    # split K until the grid has this many CTAs per SM ...
+SPLIT_MAX_CTA_GROUPS = 64       # ... and so that one CTA's K range fits its shared memory
+SPLIT_MIN_WARP_GROUPS = 2       # ... but never below this many groups per warp
+
+# Workspace capacity (allocated once, ~4.3 MB).
+WS_PARTIAL_FLOATS = 1 << 20     # ksplit * N fp32 partial sums
+WS_TILE_COUNTERS = 1 << 16      # one counter per 16-row tile
+WS_ARGMAX_PARTS = 1 << 14       # one (value, index) per CTA of lm_head / argmax
+
+
+# ---- modules ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _kernel(module: str, name: str, extra: tuple):
+    return cuda_build.load_module(module, None, dict(extra)).get_function(name)
+
+
+def _gemv_kernel(name: str, tuning: dict | None):
+    return _kernel("gemv_int4", name, tuple(sorted((tuning or GEMV_TUNING).items())))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms() -> int:
+    import cupy as cp
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+@dataclass
+class Workspace:
+    partial: object          # fp32 [WS_PARTIAL_FLOATS]
+    counters: object         # int32 [WS_TILE_COUNTERS], zero between launches
+    part_val: object         # fp32 [WS_ARGMAX_PARTS]
+    part_idx: object         # int32 [WS_ARGMAX_PARTS]
+    argmax_counter: object   # uint32 [32] (one 128-byte line), [0] zero between launches
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace(device_id: int) -> Workspace:
+    import cupy as cp
+    return Workspace(cp.zeros(WS_PARTIAL_FLOATS, cp.float32), cp.zeros(WS_TILE_COUNTERS, cp.int32),
+                     cp.zeros(WS_ARGMAX_PARTS, cp.float32), cp.zeros(WS_ARGMAX_PARTS, cp.int32),
+                     cp.zeros(32, cp.uint32))
+
+
+def workspace() -> Workspace:
+    """The current device's workspace (allocated on the first call; call it before capture)."""
+    import cupy as cp
+    return _workspace(cp.cuda.Device().id)
+
+
+# ---- argument checks ----------------------------------------------------------------------
+def _check(fn: str, field: str, a, dtype, shape: tuple) -> None:
+    import cupy as cp
+    where = f"ops_gemv.{fn}"
+    if not isinstance(a, cp.ndarray):
+        raise NanoqwenError(where, field, "a cupy.ndarray", type(a).__name__)
+    if a.dtype != np.dtype(dtype):
+        raise NanoqwenError(where, field + ".dtype", np.dtype(dtype).name, a.dtype.name)
+    if tuple(a.shape) != tuple(shape):
+        raise NanoqwenError(where, field + ".shape", tuple(shape), tuple(a.shape))
+    if not a.flags.c_contiguous:
+        raise NanoqwenError(where, field, "a C-contiguous array", f"strides {a.strides}")
+    if a.data.ptr % ALIGN:
+        raise NanoqwenError(where, field + ".data.ptr", f"a multiple of {ALIGN}",
+                            f"{a.data.ptr:#x} (offset {a.data.ptr % ALIGN})")
+
+
+def _no_alias(fn: str, field: str, a, b, other: str) -> None:
+    if a.data.ptr == b.data.ptr:
+        raise NanoqwenError(f"ops_gemv.{fn}", field, f"a buffer other than {other}", "the same buffer")
+
+
+def _ptr(a) -> np.uint64:
+    return np.uint64(0 if a is None else a.data.ptr)
+
+
+def _weights(fn: str, qweight, scales) -> tuple[int, int]:
+    """(N, K) of a packed INT4 projection, checked."""
+    if getattr(qweight, "ndim", 0) != 2:
+        raise NanoqwenError(f"ops_gemv.{fn}", "qweight.shape", "(N, K/8)", getattr(qweight, "shape", None))
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if n < 1 or k % GROUP:
+        raise NanoqwenError(f"ops_gemv.{fn}", "qweight.shape", f"N >= 1 and K a multiple of {GROUP}", (n, k))
+    _check(fn, "qweight", qweight, np.uint32, (n, k // 8))
+    _check(fn, "scales", scales, np.float16, (n, k // GROUP))
+    return n, k
+
+
+# ---- split-K plan -------------------------------------------------------------------------
+def plan_split(n: int, k: int, tuning: dict | None = None) -> int:
+    """Split-K slices for an N x K GEMV: enough CTAs to fill the SMs, each range small
+    enough for shared memory, each warp still with a few groups."""
+    t = tuning or GEMV_TUNING
+    rows = 16 * t["NQ_GEMV_MTILES"]
+    tiles, groups = -(-n // rows), k // GROUP
+    s = max(1, -(-groups // SPLIT_MAX_CTA_GROUPS))
+    target = SPLIT_TARGET_CTAS_PER_SM * num_sms()
+    while tiles * s < target and groups // (s + 1) >= t["NQ_GEMV_WARPS"] * SPLIT_MIN_WARP_GROUPS:
+        s += 1
+    return s
+
+
+def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group: int,
+                 qweight, scales, out, bias, residual, n: int, k: int,
+                 ksplit: int | None, tuning: dict | None) -> None:
+    t = tuning or GEMV_TUNING
+    _check(fn, "out", out, np.float16, (n,))
+    if bias is not None:
+        _check(fn, "bias", bias, np.float16, (n,))
+    if residual is not None:
+        _check(fn, "residual", residual, np.float16, (n,))   # may be `out` itself (in place)
+    groups = k // GROUP
+    s = ksplit or plan_split(n, k, t)
+    if not 1 <= s <= groups:
+        raise NanoqwenError(f"ops_gemv.{fn}", "ksplit", f"1..{groups} (groups of K)", s)
+    rows = 16 * t["NQ_GEMV_MTILES"]
+    tiles = -(-n // rows)
+    smem = -(-groups // s) * act_bytes_per_group
+    if smem > 48 * 1024:
+        raise LimitError(f"ops_gemv.{fn}", "shared memory of one CTA's K range",
+                         "<= 48 KiB", f"{smem} B (K={k}, ksplit={s})", "raise ksplit")
+    ws = workspace()
+    if s > 1 and (s * n > ws.partial.size or tiles > ws.counters.size):
+        raise LimitError(f"ops_gemv.{fn}", "split-K workspace",
+                         f"ksplit*N <= {ws.partial.size} and tiles <= {ws.counters.size}",
+                         f"ksplit*N = {s * n}, tiles = {tiles}")
+    kern = _gemv_kernel(kernel_name, t)
+    kern((tiles, s), (32 * t["NQ_GEMV_WARPS"],),
+         act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
+                     np.int32(n), np.int32(k), np.int32(s)),
+         shared_mem=smem)
+
+
+# ---- the GEMVs ----------------------------------------------------------------------------
+def gemv_int4(x, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None):
+    """out[N] = fp16([residual +] W.x [+ bias]); x fp16 [K], qweight uint32 [N, K/8],
+    scales fp16 [N, K/128]. residual may be `out` (in place); x may not."""
+    n, k = _weights("gemv_int4", qweight, scales)
+    _check("gemv_int4", "x", x, np.float16, (k,))
+    _no_alias("gemv_int4", "out", out, x, "x")
+    _launch_gemv("gemv_int4", "nq_gemv_int4", (x,), 2 * (GROUP + GROUP // 4),
+                 qweight, scales, out, bias, residual, n, k, ksplit, tuning)
+
+
+def gemv_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, ksplit=None, tuning=None):
+    """out[N] = fp16([residual +] W.act); act = fp16(silu(g) * u) from gate_up fp16 [2K]
+    (gate then up), K = qweight.shape[1] * 8."""
+    n, k = _weights("gemv_int4_swiglu", qweight, scales)
+    _check("gemv_int4_swiglu", "gate_up", gate_up, np.float16, (2 * k,))
+    _no_alias("gemv_int4_swiglu", "out", out, gate_up, "gate_up")
+    _launch_gemv("gemv_int4_swiglu", "nq_gemv_int4_swiglu", (gate_up,), 2 * (GROUP + GROUP // 4),
+                 qweight, scales, out, bias, residual, n, k, ksplit, tuning)
+
+
+def quantize_act_int8(x, xq, xscale, *, tuning=None):
+    """x fp16 [K] -> xq int8 [K] (dp4a byte order within each 8) and xscale fp32 [K/128]."""
+    k = getattr(x, "size", 0)
+    if k < GROUP or k % GROUP:
+        raise NanoqwenError("ops_gemv.quantize_act_int8", "x.size", f"a multiple of {GROUP}", k)
+    _check("quantize_act_int8", "x", x, np.float16, (k,))
+    _check("quantize_act_int8", "xq", xq, np.int8, (k,))
+    _check("quantize_act_int8", "xscale", xscale, np.float32, (k // GROUP,))
+    threads = 256                               # 16 groups per CTA, a half-warp each
+    groups = k // GROUP
+    _gemv_kernel("nq_quantize_act_int8", tuning)((-(-groups // (threads // 16)),), (threads,),
+                                                 (x, xq, xscale, np.int32(k)))
+
+
+def gemv_int4_dp4a(xq, xscale, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None):
+    """out as gemv_int4, from INT8 activations (quantize_act_int8) and __dp4a."""
+    n, k = _weights("gemv_int4_dp4a", qweight, scales)
+    _check("gemv_int4_dp4a", "xq", xq, np.int8, (k,))
+    _check("gemv_int4_dp4a", "xscale", xscale, np.float32, (k // GROUP,))
+    _launch_gemv("gemv_int4_dp4a", "nq_gemv_int4_dp4a", (xq, xscale), GROUP,
+                 qweight, scales, out, bias, residual, n, k, ksplit, tuning)
+
+
+# ---- the small decode kernels -------------------------------------------------------------
+def _decode_kernel(name: str):
+    return _kernel("decode_ops", name, tuple(sorted(DECODE_TUNING.items())))
+
+
+def rmsnorm(x, w, out, eps: float) -> None:
+    """out = fp16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps) * fp32(w)); x, w, out fp16 [H]."""
+    h = getattr(x, "size", 0)
+    if h < 8 or h % 8:
+        raise NanoqwenError("ops_gemv.rmsnorm", "x.size", "a multiple of 8", h)
+    for f, a in (("x", x), ("w", w), ("out", out)):
+        _check("rmsnorm", f, a, np.float16, (h,))
+    _no_alias("rmsnorm", "out", out, x, "x")
+    _decode_kernel("nq_rmsnorm")((1,), (DECODE_TUNING["NQ_DECODE_THREADS"],),
+                                 (x, w, out, np.int32(h), np.float32(eps)))
+
+
+def embed(token_dev, table, out) -> None:
+    """out = table[token_dev[0]] (token read on the device); NaN if the id is out of range."""
+    if getattr(table, "ndim", 0) != 2 or table.shape[1] % 8:
+        raise NanoqwenError("ops_gemv.embed", "table.shape", "(V, H), H a multiple of 8",
+                            getattr(table, "shape", None))
+    v, h = table.shape
+    _check("embed", "token_dev", token_dev, np.int32, (1,))
+    _check("embed", "table", table, np.float16, (v, h))
+    _check("embed", "out", out, np.float16, (h,))
+    _decode_kernel("nq_embed")((1,), (DECODE_TUNING["NQ_DECODE_THREADS"],),
+                               (token_dev, table, out, np.int32(h), np.int32(v)))
+
+
+def argmax(logits, token_out, *, ctas=None) -> None:
+    """token_out[0] = argmax(logits) (fp32 [V]), ties -> lowest index."""
+    v = getattr(logits, "size", 0)
+    _check("argmax", "logits", logits, np.float32, (max(v, 1),))
+    _check("argmax", "token_out", token_out, np.int32, (1,))
+    ws = workspace()
+    threads = DECODE_TUNING["NQ_DECODE_THREADS"]
+    grid = ctas or max(1, min(ARGMAX_CTAS_PER_SM * num_sms(), -(-v // (4 * threads))))
+    _decode_kernel("nq_argmax")((grid,), (threads,),
+                                (logits, np.int32(v), ws.part_val, ws.part_idx, ws.argmax_counter, token_out))
+
+
+def lm_head(x, weight, logits, token_out=None, *, ctas=None, tuning=None) -> None:
+    """logits fp32 [V] = W.x (W fp16 [V, H], x fp16 [H]); with token_out also the argmax."""
+    if getattr(weight, "ndim", 0) != 2 or weight.shape[1] % 8:
+        raise NanoqwenError("ops_gemv.lm_head", "weight.shape", "(V, H), H a multiple of 8",
+                            getattr(weight, "shape", None))
+    v, h = weight.shape
+    _check("lm_head", "x", x, np.float16, (h,))
+    _check("lm_head", "weight", weight, np.float16, (v, h))
+    _check("lm_head", "logits", logits, np.float32, (v,))
+    if token_out is not None:
+        _check("lm_head", "token_out", token_out, np.int32, (1,))
+    if 4 * h > 48 * 1024:
+        raise LimitError("ops_gemv.lm_head", "hidden size", "<= 12288 (fp32 x in 48 KiB)", h)
+    t = tuning or LMHEAD_TUNING
+    rows_per_cta = t["NQ_LMHEAD_WARPS"] * t["NQ_LMHEAD_ROWS_PER_WARP"]
+    grid = ctas or min(LMHEAD_CTAS_PER_SM * num_sms(), -(-v // rows_per_cta))
+    ws = workspace()
+    if grid > ws.part_val.size:
+        raise LimitError("ops_gemv.lm_head", "ctas", f"<= {ws.part_val.size}", grid)
+    kern = _kernel("lm_head", "nq_lm_head", tuple(sorted(t.items())))
+    kern((grid,), (32 * t["NQ_LMHEAD_WARPS"],),
+         (x, weight, logits, np.int32(v), np.int32(h), ws.part_val, ws.part_idx, ws.argmax_counter,
+          _ptr(token_out)), shared_mem=4 * h)

@@ -1,0 +1,77 @@
+"""Timing on the GPU: CUDA events, warm-up, medians, and the read ceiling they are judged by.
+
+`time_cuda(fn)` times `inner` back-to-back calls of fn between two events, `iters` times,
+after `warmup` untimed calls, and returns the per-call median / p10 / p90 in ms. Kernels of
+a few microseconds need `inner` > 1: one event pair resolves about half a microsecond.
+
+`read_ceiling_tbps()` measures the device's read bandwidth in the same process: a kernel
+that reads several GB once (16-byte loads, a grid-stride loop, a few loads in flight per
+thread) and writes one word per CTA. Bytes read over the median time is the ceiling every
+GEMV's fraction is quoted against.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+# A measurement tool, not part of the runtime: kept inline so it never enters the model's
+# kernels/ build. Sums 32-bit words so nothing can be optimized away.
+_READ_KERNEL = r"""
+extern "C" __global__ void nq_read_bw(const uint4* __restrict__ src, unsigned long long n16,
+                                      unsigned int* __restrict__ sink) {
+  unsigned int acc = 0;
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    uint4 a = __ldcs(src + i), b = __ldcs(src + i + stride);
+    uint4 c = __ldcs(src + i + 2 * stride), d = __ldcs(src + i + 3 * stride);
+    acc += a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n16; i += stride) { uint4 a = __ldcs(src + i); acc += a.x ^ a.y ^ a.z ^ a.w; }
+  atomicAdd(sink + blockIdx.x % 32, acc);
+}
+"""
+
+
+def time_cuda(fn, warmup: int = 10, iters: int = 30, inner: int = 1) -> dict:
+    """Per-call time of fn() on the current stream: {'median','p10','p90'} in ms."""
+    import cupy as cp
+
+    for _ in range(warmup):
+        fn()
+    pairs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
+    for start, end in pairs:
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+    pairs[-1][1].synchronize()
+    ms = np.array([cp.cuda.get_elapsed_time(s, e) / inner for s, e in pairs])
+    return {"median": float(np.median(ms)), "p10": float(np.percentile(ms, 10)),
+            "p90": float(np.percentile(ms, 90)), "iters": iters, "inner": inner}
+
+
+@functools.lru_cache(maxsize=None)
+def _read_kernel():
+    import cupy as cp
+    return cp.RawKernel(_READ_KERNEL, "nq_read_bw")
+
+
+def read_ceiling_tbps(nbytes: int = 4 << 30, iters: int = 10) -> dict:
+    """Measured read bandwidth (TB/s, 1e12 bytes/s) of the current device over nbytes."""
+    import cupy as cp
+
+    n16 = nbytes // 16
+    buf = cp.arange(n16 * 4, dtype=cp.uint32)          # not zeros: real data, every line touched
+    sink = cp.zeros(32, dtype=cp.uint32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    kern = _read_kernel()
+    grid, block = sms * 8, 512
+
+    def run():
+        kern((grid,), (block,), (buf, np.uint64(n16), sink))
+
+    t = time_cuda(run, warmup=2, iters=iters)
+    del buf
+    return {"tbps": n16 * 16 / (t["median"] * 1e-3) / 1e12, "bytes": n16 * 16, **t}
