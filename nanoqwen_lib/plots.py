@@ -72,10 +72,3 @@ def bytes_bars(bars: dict[str, dict[str, int]], title: str = "", unit: float = 1
     if title:
         ax.set_title(title)
     return ax
-
-
-def bar_values(ax, bars, fmt: str = "{:.3g}") -> None:
-    """Write each bar's value at its end (vertical bar charts)."""
-    for b in bars:
-        ax.annotate(fmt.format(b.get_height()), (b.get_x() + b.get_width() / 2, b.get_height()),
-                    ha="center", va="bottom", fontsize=8)

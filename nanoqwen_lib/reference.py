@@ -117,7 +117,7 @@ def attention_prefill(q, k, v, rnd=round_fp16):
     T, heads, d = q.shape
     ctx, kv_heads, _ = k.shape
     group = heads // kv_heads
-    qg = q.reshape(T, kv_heads, group, d).transpose(1, 2, 0, 3)      # [kv, group, T, d]
+    qg = q.reshape(T, group, kv_heads, d).transpose(2, 1, 0, 3)      # [kv, group, T, d]
     kt = k.transpose(1, 2, 0)[:, None]                               # [kv, 1, d, ctx]
     scores = (qg @ kt) * (d ** -0.5)                                 # [kv, group, T, ctx]
     future = xp.arange(ctx)[None, :] > (ctx - T + xp.arange(T))[:, None]
@@ -243,7 +243,7 @@ class ReferenceModel:
             raise ConfigError("ReferenceModel", "act_dtype", f"one of {ACT_DTYPES}", repr(act_dtype))
         check_tensors(dims, tensors)
         self.dims, self.xp, self.act_dtype = dims, xp, act_dtype
-        self.rnd = keep_fp32 if act_dtype == "float16" else keep_fp32
+        self.rnd = round_fp16 if act_dtype == "float16" else keep_fp32
         self.embed = xp.asarray(tensors["model.embed_tokens.weight"])          # [vocab, hidden] fp16
         self.layers = [load_layer_weights(tensors, i, xp) for i in range(dims.num_layers)]
         self.norm = xp.asarray(tensors["model.norm.weight"]).astype("float32")

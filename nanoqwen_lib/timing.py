@@ -58,8 +58,8 @@ def _read_kernel():
     return cp.RawKernel(_READ_KERNEL, "nq_read_bw")
 
 
-def read_ceiling_tbps(nbytes: int = 4 << 30, iters: int = 10) -> dict:
-    """Measured read bandwidth (TB/s, 1e12 bytes/s) of the current device over nbytes."""
+def measure_read_ceiling(nbytes: int = 4 << 30, iters: int = 10) -> dict:
+    """Read bandwidth of the current device over nbytes: {'tbps', 'bytes', 'median', ...}."""
     import cupy as cp
 
     n16 = nbytes // 16
@@ -75,3 +75,8 @@ def read_ceiling_tbps(nbytes: int = 4 << 30, iters: int = 10) -> dict:
     t = time_cuda(run, warmup=2, iters=iters)
     del buf
     return {"tbps": n16 * 16 / (t["median"] * 1e-3) / 1e12, "bytes": n16 * 16, **t}
+
+
+def read_ceiling_tbps(nbytes: int = 4 << 30, iters: int = 10) -> float:
+    """Measured read bandwidth of the current device, TB/s (1e12 bytes/s)."""
+    return measure_read_ceiling(nbytes, iters)["tbps"]

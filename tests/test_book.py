@@ -109,8 +109,8 @@ def test_toc_lists_exactly_the_chapters_that_exist():
 
 
 def test_config_renders_committed_outputs_and_excludes_md_twins():
-    from sphinx.util.matching import Matcher
-
+    # Sphinx's own pattern matcher (the `book` extra); absent on a bare GPU image.
+    Matcher = pytest.importorskip("sphinx.util.matching").Matcher
     cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert cfg["execute"]["execute_notebooks"] == "off", "_config.yml: execute.execute_notebooks"
     assert cfg["only_build_toc_files"] is True, "_config.yml: only_build_toc_files"

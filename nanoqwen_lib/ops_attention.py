@@ -1,0 +1,155 @@
+"""Launchers for kernels/rope_append.cu and kernels/paged_attention.cu (GPU only).
+
+Per decode step and layer:
+    rope_append(qkv, position, slot)      q_out = rope(q); cache[slot] = rope(k), v
+    paged_attention(q_out, block_table, context_len) -> out [num_heads * head_dim] fp16
+Every buffer is checked before a launch (cupy array, dtype, shape, C-contiguous, 128-byte
+aligned); nothing is allocated per call: the split partials live in an AttentionWorkspace
+made once from the dims and the longest context. position, slot, block_table and
+context_len are device arrays, so a captured CUDA graph replays for every token.
+
+The checking helpers at the end (random_paged_case, attention_ref_f64) are what the tests,
+the sanitizer tool and the benchmark share.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import cuda_build, kvcache
+from .config import ModelDims, load
+
+ALIGN = load().format.alignment
+ATTN_THREADS = 32 * (1 + 4)      # kernels/paged_attention.cu THREADS: producer warp + 4 consumer warps
+DEFAULT_MAX_SPLITS = 64          # grid = kv_heads x 64 = 256 CTAs on the 7B: ~2 per SM of 132
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """inv_freq[i] = 1 / theta^(2i/d), float32 [d/2]: reference.rope_tables' expression, so the
+    kernel and the reference share these bits."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+
+
+def check_buffer(name: str, a, dtype, shape) -> None:
+    """A launcher's precondition on one device buffer; raises AssertionError naming it."""
+    import cupy
+    if not isinstance(a, cupy.ndarray):
+        raise AssertionError(f"{name}: expected a cupy.ndarray, found {type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise AssertionError(f"{name}: dtype expected {np.dtype(dtype)}, found {a.dtype}")
+    if tuple(a.shape) != tuple(shape):
+        raise AssertionError(f"{name}: shape expected {tuple(shape)}, found {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise AssertionError(f"{name}: expected C-contiguous, found strides {a.strides}")
+    if a.data.ptr % ALIGN:
+        raise AssertionError(f"{name}: expected a {ALIGN}-byte aligned pointer, found {a.data.ptr:#x}")
+
+
+class AttentionWorkspace:
+    """Scratch of the split kernel, sized once: per split and query head the partial max m,
+    sum l (float32 [max_splits, num_heads]) and accumulator (float32 [max_splits, num_heads, d]);
+    plus the RoPE inv_freq table. Block tables have max_pages = ceil(max_context / 16) entries."""
+
+    def __init__(self, dims: ModelDims, max_context: int, max_splits: int = DEFAULT_MAX_SPLITS):
+        import cupy as cp
+        assert max_splits >= 1 and max_context >= 1
+        self.dims, self.max_context, self.max_splits = dims, max_context, max_splits
+        self.max_pages = kvcache.pages_for(max_context)
+        self.m = cp.empty((max_splits, dims.num_heads), cp.float32)
+        self.l = cp.empty((max_splits, dims.num_heads), cp.float32)
+        self.acc = cp.empty((max_splits, dims.num_heads, dims.head_dim), cp.float32)
+        self.inv_freq = cp.asarray(rope_inv_freq(dims.head_dim, dims.rope_theta))
+
+    @property
+    def nbytes(self) -> int:
+        return self.m.nbytes + self.l.nbytes + self.acc.nbytes + self.inv_freq.nbytes
+
+    def poison(self) -> None:
+        """Fill the partials with NaN (tests: the combine must read only what a split wrote)."""
+        for a in (self.m, self.l, self.acc):
+            a.fill(np.nan)
+
+
+class AttentionKernels:
+    """The compiled modules for one model's dims; `buggy_sync` builds NQ_ATTN_BUGGY_SYNC=1."""
+
+    def __init__(self, dims: ModelDims, buggy_sync: bool = False):
+        self.dims = dims
+        extra = {"NQ_ATTN_BUGGY_SYNC": 1} if buggy_sync else None
+        attn = cuda_build.load_module("paged_attention", dims, extra)
+        self._split = attn.get_function("paged_attention_split")
+        self._combine = attn.get_function("paged_attention_combine")
+        self._rope = cuda_build.load_module("rope_append", dims).get_function("rope_append_kv")
+
+    def _check_cache(self, k_cache, v_cache) -> None:
+        d = self.dims
+        shape = (k_cache.shape[0], d.num_kv_heads, kvcache.PAGE_TOKENS, d.head_dim)
+        check_buffer("k_cache", k_cache, np.float16, shape)
+        check_buffer("v_cache", v_cache, np.float16, shape)
+
+    def rope_append(self, qkv, position, slot, q_out, k_cache, v_cache, ws: AttentionWorkspace) -> None:
+        """qkv fp16 [qkv_dim]; position, slot int32 [1]; q_out fp16 [q_dim]; k_cache, v_cache
+        one layer's fp16 [num_pages, kv_heads, 16, d] (pool[layer, 0] and pool[layer, 1])."""
+        d = self.dims
+        check_buffer("qkv", qkv, np.float16, (d.qkv_dim,))
+        check_buffer("position", position, np.int32, (1,))
+        check_buffer("slot", slot, np.int32, (1,))
+        check_buffer("q_out", q_out, np.float16, (d.q_dim,))
+        self._check_cache(k_cache, v_cache)
+        check_buffer("inv_freq", ws.inv_freq, np.float32, (d.head_dim // 2,))
+        self._rope((d.num_heads + d.num_kv_heads,), (d.head_dim // 2,),
+                   (qkv, position, slot, ws.inv_freq, q_out, k_cache, v_cache))
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, context_len, out,
+                        ws: AttentionWorkspace) -> None:
+        """q fp16 [q_dim] (RoPE applied); block_table int32 [ws.max_pages]; context_len int32 [1]
+        (device value in 1 .. 16 * ws.max_pages, not read here); out fp16 [q_dim]."""
+        d = self.dims
+        assert ws.dims == d, "workspace made for other dims"
+        check_buffer("q", q, np.float16, (d.q_dim,))
+        self._check_cache(k_cache, v_cache)
+        check_buffer("block_table", block_table, np.int32, (ws.max_pages,))
+        check_buffer("context_len", context_len, np.int32, (1,))
+        check_buffer("out", out, np.float16, (d.q_dim,))
+        check_buffer("ws.m", ws.m, np.float32, (ws.max_splits, d.num_heads))
+        check_buffer("ws.acc", ws.acc, np.float32, (ws.max_splits, d.num_heads, d.head_dim))
+        splits = np.int32(ws.max_splits)
+        self._split((d.num_kv_heads, ws.max_splits), (ATTN_THREADS,),
+                    (q, k_cache, v_cache, block_table, context_len, ws.m, ws.l, ws.acc, splits))
+        self._combine((d.num_heads,), (d.head_dim,), (ws.m, ws.l, ws.acc, context_len, out, splits))
+
+
+# ---------------------------------------------------------------- checking helpers
+def random_paged_case(dims: ModelDims, ctx: int, rng, max_pages: int, extra_pages: int = 3,
+                      q_scale: float = 1.5):
+    """A decode step's attention inputs on the host: q fp16 [q_dim]; K, V fp16 [ctx, kv_heads, d];
+    a NaN-poisoned one-layer pool [1, 2, P, kv_heads, 16, d] holding them at shuffled physical
+    pages; the PageTable (block_table int32 [max_pages])."""
+    num_pages = kvcache.pages_for(ctx) + extra_pages
+    table = kvcache.PageTable(kvcache.PageAllocator(num_pages, order=rng.permutation(num_pages)), max_pages)
+    slots = table.append_tokens(ctx)
+    k = rng.standard_normal((ctx, dims.num_kv_heads, dims.head_dim)).astype(np.float16)
+    v = rng.standard_normal((ctx, dims.num_kv_heads, dims.head_dim)).astype(np.float16)
+    q = (q_scale * rng.standard_normal(dims.q_dim)).astype(np.float16)
+    pool = np.full((1, 2, num_pages, dims.num_kv_heads, kvcache.PAGE_TOKENS, dims.head_dim),
+                   np.nan, dtype=np.float16)
+    kvcache.write_kv(pool, 0, slots, k, v)
+    return q, k, v, pool, table
+
+
+def attention_ref_f64(q, k, v, dims: ModelDims) -> np.ndarray:
+    """softmax(q.k / sqrt(d)) v per query head in float64; head h reads KV head h // gqa.
+    q [q_dim]; k, v [ctx, kv_heads, d] -> [q_dim] float64."""
+    d, gqa = dims.head_dim, dims.gqa_ratio
+    qh = q.astype(np.float64).reshape(dims.num_kv_heads, gqa, d)          # [kv, gqa, d]
+    kf, vf = k.astype(np.float64), v.astype(np.float64)
+    s = np.einsum("cgd,tcd->cgt", qh, kf) / np.sqrt(d)                   # [kv, gqa, ctx]
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("cgt,tcd->cgd", p, vf).reshape(-1)
+
+
+def attention_tolerance(ref: np.ndarray) -> np.ndarray:
+    """llm.c style atol + |ref| eps: one fp16 rounding of the output (2^-11 relative) doubled,
+    plus room for FP32 accumulation over long contexts."""
+    return 1e-5 + np.abs(ref) * 2.0 ** -10

@@ -1,0 +1,248 @@
+"""The decode GEMVs and small decode kernels against CPU references (needs a GPU).
+
+Every case draws fresh random inputs (the seed is printed on failure), poisons the output
+with NaN before the launch, and checks every element against
+
+    |out - ref| <= acc * sum_k |w_k x_k| + 2^-10 * |ref| + 2^-24
+
+with ref in float64 from quant.dequantize_int4 (exact codes * fp16 scale). The last two
+terms are one fp16 ulp of the output (the kernel rounds its fp32 result once: half an ulp,
+plus room for the fp32 sum landing on the other side of a rounding midpoint) and the
+subnormal spacing. `acc` bounds the FP32 accumulation: a chain of about n adds loses at
+most n * 2^-24 of sum |w_k x_k|; 2^-18 allows 64 such steps (tensor-core groups, then the
+per-warp, per-CTA and split-K sums), 2^-16 the lm_head's ~120 sequential FMAs per lane.
+A single wrong element or index costs about sum|w x| / K, far above both.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen_lib import quant
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from nanoqwen_lib import ops_gemv  # noqa: E402
+
+U16 = 2.0 ** -10
+TINY16 = 2.0 ** -24
+SHAPES_7B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+ODD = [(n, k) for n in (1, 7, 130, 1000) for k in (128, 384, 1152)]
+
+
+@pytest.fixture
+def rng():
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def rand_int4(rng, n, k):
+    """Random packed weights (every nibble, -8 too) and fp16 scales."""
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
+    return words, scales
+
+
+def dev(a):
+    return cp.asarray(np.ascontiguousarray(a))
+
+
+def poisoned(n, dtype=np.float16):
+    return cp.full((n,), np.nan, dtype=dtype)
+
+
+def ref_matvec(words, scales, x64, rows=4096):
+    """(W.x, |W|.|x|) in float64, W dequantized on the CPU a block of rows at a time."""
+    n = words.shape[0]
+    dot, absdot = np.empty(n), np.empty(n)
+    for r in range(0, n, rows):
+        w = quant.dequantize_int4(words[r:r + rows], scales[r:r + rows]).astype(np.float64)
+        dot[r:r + rows], absdot[r:r + rows] = w @ x64, np.abs(w) @ np.abs(x64)
+    return dot, absdot
+
+
+def check_close(name, got, ref, absdot, acc, extra=0.0, rtol=U16):
+    """Every element within acc * absdot + rtol * |ref| + 2^-24 (+ extra); NaN fails."""
+    got = np.asarray(got, dtype=np.float64)
+    bound = acc * absdot + rtol * np.abs(ref) + TINY16 + extra
+    err = np.abs(got - ref)
+    bad = np.flatnonzero(~(err <= bound))
+    if bad.size:
+        rows = "\n".join(f"  [{i}] got {got[i]!r} ref {ref[i]!r} err {err[i]:.3g} bound {bound[i]:.3g}"
+                         for i in bad[:8])
+        pytest.fail(f"{name}: {bad.size} of {got.size} elements out of bounds\n{rows}")
+    return float(np.max(err / bound)) if err.size else 0.0
+
+
+def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plain"):
+    words, scales = rand_int4(rng, n, k)
+    b = rng.standard_normal(n).astype(np.float16) if bias else None
+    res = rng.standard_normal(n).astype(np.float16) if residual else None
+    out = poisoned(n)
+    extra = 0.0
+    if launcher == "swiglu":
+        gu = (rng.standard_normal(2 * k) * 2).astype(np.float16)
+        g32, u32 = gu[:k].astype(np.float32), gu[k:].astype(np.float32)
+        a32 = g32 / (np.float32(1) + np.exp(-g32)) * u32
+        act = a32.astype(np.float16)
+        # The kernel's expf may differ from NumPy's by an ulp or two of fp32: where that
+        # can flip the fp16 rounding of act, allow the other neighbour.
+        alt = np.maximum(np.abs((a32 * np.float32(1 - 2**-20)).astype(np.float16).astype(np.float64) - act),
+                         np.abs((a32 * np.float32(1 + 2**-20)).astype(np.float16).astype(np.float64) - act))
+        x64 = act.astype(np.float64)
+        ops_gemv.gemv_int4_swiglu(dev(gu), dev(words), dev(scales), out,
+                                  residual=None if res is None else dev(res), bias=None if b is None else dev(b),
+                                  ksplit=ksplit, tuning=tuning)
+        extra = np.abs(quant.dequantize_int4(words, scales).astype(np.float64)) @ alt if alt.any() else 0.0
+    else:
+        x = rng.standard_normal(k).astype(np.float16)
+        x64 = x.astype(np.float64)
+        ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), out, bias=None if b is None else dev(b),
+                           residual=None if res is None else dev(res), ksplit=ksplit, tuning=tuning)
+    dot, absdot = ref_matvec(words, scales, x64)
+    ref = dot + (0 if b is None else b.astype(np.float64))
+    ref = ref + (0 if res is None else res.astype(np.float64))
+    return check_close(f"{launcher} N={n} K={k} ksplit={ksplit}", out.get(), ref, absdot, 2.0 ** -18, extra)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES_7B))
+def test_gemv_int4_7b(rng, shape):
+    n, k = SHAPES_7B[shape]
+    run_gemv(rng, n, k, bias=shape == "qkv", residual=shape in ("o_proj", "down"))
+
+
+@pytest.mark.parametrize("n,k", ODD)
+@pytest.mark.parametrize("ksplit", [None, 1, "max"])
+def test_gemv_int4_odd(rng, n, k, ksplit):
+    s = k // 128 if ksplit == "max" else ksplit
+    run_gemv(rng, n, k, bias=(n + k) % 2 == 0, residual=n % 2 == 1, ksplit=s)
+
+
+@pytest.mark.parametrize("tuning", [{"NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_MTILES": 2}, {"NQ_GEMV_WARPS": 8}])
+@pytest.mark.parametrize("n,k,ksplit", [(3584, 3584, None), (130, 1152, 3), (1000, 18944, None)])
+def test_gemv_int4_tuning_variants(rng, tuning, n, k, ksplit):
+    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning={**ops_gemv.GEMV_TUNING, **tuning})
+
+
+@pytest.mark.parametrize("ksplit", [None, 1])
+def test_gemv_int4_residual_in_place(rng, ksplit):
+    n = k = 3584
+    words, scales = rand_int4(rng, n, k)
+    x = rng.standard_normal(k).astype(np.float16)
+    res = rng.standard_normal(n).astype(np.float16)
+    io = dev(res)
+    ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), io, residual=io, ksplit=ksplit)
+    dot, absdot = ref_matvec(words, scales, x.astype(np.float64))
+    check_close("in-place residual", io.get(), dot + res.astype(np.float64), absdot, 2.0 ** -18)
+
+
+@pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, None), (130, 384, 1), (7, 1152, 3), (1000, 1152, None)])
+def test_gemv_int4_swiglu(rng, n, k, ksplit):
+    run_gemv(rng, n, k, bias=False, residual=True, ksplit=ksplit, launcher="swiglu")
+
+
+def test_launcher_refuses_bad_buffers():
+    x, words, scales = cp.zeros(256, cp.float16), cp.zeros((16, 32), cp.uint32), cp.zeros((16, 2), cp.float16)
+    out = cp.zeros(16, cp.float16)
+    with pytest.raises(Exception, match="x.dtype"):
+        ops_gemv.gemv_int4(x.astype(cp.float32), words, scales, out)
+    with pytest.raises(Exception, match="scales.shape"):
+        ops_gemv.gemv_int4(x, words, scales[:, :1], out)
+    with pytest.raises(Exception, match="data.ptr"):
+        ops_gemv.gemv_int4(cp.zeros(264, cp.float16)[8:], words, scales, out)
+
+
+# ---- the dp4a path --------------------------------------------------------------------------
+def ref_quantize(x):
+    """x fp16 [K] -> (int8 [K] natural order, fp32 scales [K/128]), the kernel's rules."""
+    xg = x.astype(np.float32).reshape(-1, 128)
+    s = (np.abs(xg).max(axis=1) / np.float32(127)).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1))
+    q = np.where(s[:, None] > 0, np.rint(xg / safe[:, None]), 0).astype(np.int8)
+    return q.reshape(-1), s
+
+
+DP4A_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])   # stored byte j of each run of 8 holds q[order[j]]
+
+
+@pytest.mark.parametrize("n,k", [SHAPES_7B[s] for s in SHAPES_7B] + [(7, 128), (130, 384), (1000, 1152)])
+def test_gemv_int4_dp4a(rng, n, k):
+    words, scales = rand_int4(rng, n, k)
+    x = rng.standard_normal(k).astype(np.float16)
+    x[:128] = 0 if k > 128 else x[:128]                  # an all-zero group: scale 0
+    x[-100] = np.float16(60000)                          # one large value in a group
+    b, res = rng.standard_normal(n).astype(np.float16), rng.standard_normal(n).astype(np.float16)
+    xq, xs = cp.zeros(k, cp.int8), cp.full(k // 128, np.nan, cp.float32)
+    ops_gemv.quantize_act_int8(dev(x), xq, xs)
+    q_ref, s_ref = ref_quantize(x)
+    np.testing.assert_array_equal(xs.get(), s_ref)
+    np.testing.assert_array_equal(xq.get().reshape(-1, 8), q_ref.reshape(-1, 8)[:, DP4A_ORDER])
+    out = poisoned(n)
+    ops_gemv.gemv_int4_dp4a(xq, xs, dev(words), dev(scales), out, bias=dev(b), residual=dev(res))
+    xdq = (q_ref.astype(np.float64).reshape(-1, 128) * s_ref.astype(np.float64)[:, None]).reshape(-1)
+    dot, absdot = ref_matvec(words, scales, xdq)        # its own exact reference: int8 activations
+    ref = res.astype(np.float64) + (dot + b.astype(np.float64))
+    check_close(f"dp4a N={n} K={k}", out.get(), ref, absdot, 2.0 ** -18)
+
+
+# ---- rmsnorm, embed, lm_head, argmax ---------------------------------------------------------
+@pytest.mark.parametrize("h", [3584, 896, 128])
+def test_rmsnorm(rng, h):
+    x, w = rng.standard_normal(h).astype(np.float16), rng.uniform(0.5, 2, h).astype(np.float16)
+    out = poisoned(h)
+    ops_gemv.rmsnorm(dev(x), dev(w), out, 1e-6)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt(np.mean(x64 ** 2) + 1e-6) * w.astype(np.float64)
+    check_close(f"rmsnorm H={h}", out.get(), ref, 0.0, 0.0)
+
+
+def test_embed(rng):
+    v, h = 4096, 3584
+    table = rng.standard_normal((v, h)).astype(np.float16)
+    t_dev, out = cp.zeros(1, cp.int32), poisoned(h)
+    tab = dev(table)
+    for tok in (int(rng.integers(0, v)), 0, v - 1):
+        t_dev[0] = tok
+        out.fill(np.nan)
+        ops_gemv.embed(t_dev, tab, out)
+        np.testing.assert_array_equal(out.get(), table[tok])
+    for bad in (-1, v):
+        t_dev[0] = bad
+        ops_gemv.embed(t_dev, tab, out)
+        assert np.isnan(out.get()).all(), f"token {bad} out of range must give NaN"
+
+
+@pytest.mark.parametrize("v,h", [(152064, 3584), (1, 128), (7, 896), (1000, 3584), (4099, 128)])
+def test_lm_head(rng, v, h):
+    w_dev = (cp.random.standard_normal((v, h), dtype=cp.float32) * 0.05).astype(cp.float16)
+    x = rng.standard_normal(h).astype(np.float16)
+    logits, tok = poisoned(v, np.float32), cp.full(1, -7, cp.int32)
+    ops_gemv.lm_head(dev(x), w_dev, logits, tok)
+    w, x64 = w_dev.get(), x.astype(np.float64)
+    ref, absdot = np.empty(v), np.empty(v)
+    for r in range(0, v, 8192):
+        wc = w[r:r + 8192].astype(np.float64)
+        ref[r:r + 8192], absdot[r:r + 8192] = wc @ x64, np.abs(wc) @ np.abs(x64)
+    got = logits.get()
+    check_close(f"lm_head V={v} H={h}", got, ref, absdot, 2.0 ** -16, rtol=0.0)
+    assert int(tok.get()[0]) == int(np.argmax(got)), "fused argmax != argmax of the logits"
+    logits2 = poisoned(v, np.float32)
+    ops_gemv.lm_head(dev(x), w_dev, logits2)            # unfused: same logits, bit for bit
+    np.testing.assert_array_equal(logits2.get(), got)
+
+
+@pytest.mark.parametrize("v", [152064, 1, 5, 1000, 152067])
+@pytest.mark.parametrize("ctas", [None, 1])
+def test_argmax_ties_lowest(rng, v, ctas):
+    tok = cp.full(1, -7, cp.int32)
+    cases = [rng.standard_normal(v).astype(np.float32), np.full(v, 3.25, np.float32)]
+    tied = rng.standard_normal(v).astype(np.float32)
+    picks = np.sort(rng.choice(v, size=min(v, 4), replace=False))
+    tied[picks] = 9.0                                   # several maxima: the lowest wins
+    last = rng.standard_normal(v).astype(np.float32)
+    last[-1] = 50.0
+    for logits in cases + [tied, last]:                 # repeated launches: the counter resets
+        ops_gemv.argmax(dev(logits), tok, ctas=ctas)
+        assert int(tok.get()[0]) == int(np.argmax(logits)), (v, ctas)

@@ -1,0 +1,72 @@
+"""Every kernel compiles for sm_90 through NVRTC, with no GPU, with the runtime's options.
+
+Each kernels/*.cu is built for the `7b` and `tiny` dims, and for `7b` once more with each
+extra-define set its header names on a `// nq-variants: A=1[,B=2]; C=3` line. The ptxas
+report (registers, stack frame, spills) is printed (`pytest -s` shows it); the hot kernels
+(the GEMVs and the lm_head) must not spill.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nanoqwen_lib import config, cuda_build
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+KERNELS = sorted(p.stem for p in cuda_build.KERNEL_DIR.glob("*.cu"))
+HOT = re.compile(r"^nq_(gemv|lm_head)")
+
+
+def variants(name: str) -> list[dict]:
+    """The extra-define sets named on the file's `// nq-variants:` line (may be none)."""
+    for line in cuda_build.kernel_source(name).splitlines():
+        m = re.match(r"\s*//\s*nq-variants:(.*)$", line)
+        if m:
+            out = []
+            for item in m.group(1).split(";"):
+                pairs = [p.strip() for p in item.split(",") if p.strip()]
+                if pairs:
+                    out.append(dict(p.split("=", 1) for p in pairs))
+            return out
+    return []
+
+
+def entries(log: str) -> dict[str, dict]:
+    """ptxas log -> {entry: {'registers', 'stack', 'spill_stores', 'spill_loads'}}."""
+    out, cur = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            cur = out.setdefault(m.group(1), {})
+        elif cur is not None and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                                 r"(\d+) bytes spill loads", line)):
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif cur is not None and (m := re.search(r"Used (\d+) registers", line)):
+            cur["registers"] = int(m.group(1))
+    return out
+
+
+CASES = [(name, dims, {}) for name in KERNELS for dims in ("7b", "tiny")] + \
+        [(name, "7b", v) for name in KERNELS for v in variants(name)]
+
+
+@pytest.mark.parametrize("name,dims,extra", CASES,
+                         ids=[f"{n}-{d}-{','.join(f'{k}={v}' for k, v in e.items()) or 'base'}" for n, d, e in CASES])
+def test_kernel_compiles_sm90(name, dims, extra):
+    cubin, log = cuda_build.compile_cubin(name, config.load().model(dims), extra)
+    assert cubin, f"kernels/{name}.cu: empty CUBIN"
+    report = entries(log)
+    assert report, f"kernels/{name}.cu: no entry functions in the ptxas report:\n{log}"
+    for fn, r in sorted(report.items()):
+        print(f"{name}.cu [{dims} {extra or ''}] {fn}: {r.get('registers')} regs, stack {r.get('stack')} B, "
+              f"spills {r.get('spill_stores')}/{r.get('spill_loads')} B")
+    spilling = {fn: r for fn, r in report.items()
+                if HOT.match(fn) and (r.get("spill_stores", 0) or r.get("spill_loads", 0) or r.get("stack", 0))}
+    assert not spilling, f"kernels/{name}.cu {extra}: hot kernels use local memory: {spilling}"
+
+
+def test_variant_line_parses():
+    assert variants("gemv_int4"), "gemv_int4.cu names its variants on a `// nq-variants:` line"
+    for v in variants("gemv_int4"):
+        assert all(k.startswith("NQ_") and val.strip() for k, val in v.items()), v
