@@ -3,7 +3,7 @@
 //   nq_gemv_int4_swiglu   same, x = fp16(silu(g) * u) formed on the fly from gate_up fp16 [2K]
 //   nq_quantize_act_int8  x fp16 [K] -> int8 per group of 128 (scale = absmax/127), dp4a byte order
 //   nq_gemv_int4_dp4a     out as nq_gemv_int4 from the int8 activations, __dp4a on INT4->INT8 weights
-// nq-variants: NQ_GEMV_UNROLL=2; NQ_GEMV_MTILES=2; NQ_GEMV_WARPS=8
+// nq-variants: NQ_GEMV_UNROLL=2; NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=8; NQ_GEMV_WARPS=2; NQ_GEMV_BRANCHLESS=0; NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8
 //
 // Shapes (runtime): qweight uint32 [N, K/8], scales fp16 [N, K/128], K a multiple of 128,
 // any N >= 1. Tuned for the 7B decode shapes (N 3584..37888, K 3584 / 18944) on an H200.
@@ -28,6 +28,12 @@
 #endif
 #ifndef NQ_GEMV_UNROLL
 #define NQ_GEMV_UNROLL 4    // groups per warp whose loads are in flight together
+#endif
+#ifndef NQ_GEMV_BRANCHLESS
+#define NQ_GEMV_BRANCHLESS 1  // 0: v1, one branch per group (the MMA chains do not interleave)
+#endif
+#ifndef NQ_GEMV_MIN_CTAS
+#define NQ_GEMV_MIN_CTAS 1    // __launch_bounds__ minimum CTAs per SM (caps registers)
 #endif
 #ifndef NQ_GEMV_MTILES
 #define NQ_GEMV_MTILES 1    // 16-row tensor-core tiles per CTA (they share the x fragments)
@@ -122,18 +128,36 @@ struct Geometry {          // what every lane needs to address its rows
   int lane, warp, g, t;
 };
 
-__device__ __forceinline__ void load_group(GroupRegs& r, const uint32_t* __restrict__ qw,
-                                           const half* __restrict__ scales, const Geometry& q,
-                                           int grp) {
+__device__ __forceinline__ void load_rows(GroupRegs& r, const uint32_t* __restrict__ qw,
+                                          const half* __restrict__ scales, const Geometry& q,
+                                          int row0, int grp) {
 #pragma unroll
   for (int m = 0; m < kMTiles; ++m)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = min(q.row0 + 16 * m + 8 * h + q.g, q.N - 1);
+      const int row = min(row0 + 16 * m + 8 * h + q.g, q.N - 1);
       const uint4* src = reinterpret_cast<const uint4*>(qw + (size_t)row * q.KW + (size_t)grp * kGroupWords);
       r.w[m][h] = ldg_stream(src + q.t);
       r.s[m][h] = __half2float(scales[(size_t)row * q.G + grp]);
     }
+}
+
+__device__ __forceinline__ void load_group(GroupRegs& r, const uint32_t* __restrict__ qw,
+                                           const half* __restrict__ scales, const Geometry& q, int grp) {
+  load_rows(r, qw, scales, q, q.row0, grp);
+}
+
+__device__ __forceinline__ void load_group_or_zero(GroupRegs& r, const uint32_t* __restrict__ qw,
+                                                   const half* __restrict__ scales, const Geometry& q,
+                                                   int grp, bool live) {
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      r.w[m][h] = make_uint4(0u, 0u, 0u, 0u);
+      r.s[m][h] = 0.f;
+    }
+  if (live) load_group(r, qw, scales, q, grp);
 }
 
 // ---- paths: how x reaches shared memory and how one group is multiplied ----------------
@@ -214,12 +238,15 @@ struct Dp4aPath {
 __device__ __forceinline__ void stage_x(unsigned char* xs, const half* __restrict__ x, const Geometry& q) {
   const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)q.gs * NQ_GROUP_SIZE);
   uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += kThreads) dst[c + c / 4] = src[c];
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) dst[c + c / 4] = src[c];
 }
 
+// silu(g) * u in fp32: expf (2 ulp) and __fdividef (2 ulp; exact IEEE division is a long
+// subroutine). The clamp keeps 1 + e^-g below 2^126, where __fdividef returns 0: for
+// g < -88 silu(g) is below 1e-36 and rounds to fp16 0 either way.
 __device__ __forceinline__ float silu_mul(half g, half u) {
   const float gf = __half2float(g);
-  return gf / (1.0f + expf(-gf)) * __half2float(u);      // silu(g) * u, fp32
+  return __fdividef(gf, 1.0f + expf(fminf(-gf, 88.0f))) * __half2float(u);
 }
 
 // SwiGLU: act = fp16(silu(g) * u) for the CTA's range, g = gate_up[k], u = gate_up[K + k].
@@ -228,7 +255,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
   const uint4* gsrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.gs * NQ_GROUP_SIZE);
   const uint4* usrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.K + (size_t)q.gs * NQ_GROUP_SIZE);
   uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += kThreads) {
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) {
     const uint4 gv = gsrc[c], uv = usrc[c];
     const half* gh = reinterpret_cast<const half*>(&gv);
     const half* uh = reinterpret_cast<const half*>(&uv);
@@ -244,7 +271,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
 __device__ __forceinline__ void stage_xq(unsigned char* xs, const int8_t* __restrict__ xq, const Geometry& q) {
   const uint4* src = reinterpret_cast<const uint4*>(xq + (size_t)q.gs * NQ_GROUP_SIZE);
   uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 16); c += kThreads) dst[c] = src[c];
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 16); c += blockDim.x) dst[c] = src[c];
 }
 
 // ---- the body shared by the three GEMVs ------------------------------------------------
@@ -285,8 +312,15 @@ __device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __
   GroupRegs ra[kUnroll], rb[kUnroll];
   auto load_batch = [&](GroupRegs (&r)[kUnroll], int b) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (local_group(b, u) < q.ng) load_group(r[u], qw, scales, q, q.gs + local_group(b, u));
+    for (int u = 0; u < kUnroll; ++u) {
+      const int lg = local_group(b, u);
+#if NQ_GEMV_BRANCHLESS
+      // A group past the range loads nothing: zero words are codes 0 and add exactly 0.
+      load_group_or_zero(r[u], qw, scales, q, q.gs + lg, lg < q.ng);
+#else
+      if (lg < q.ng) load_group(r[u], qw, scales, q, q.gs + lg);
+#endif
+    }
   };
   float acc[kMTiles][2];
 #pragma unroll
@@ -295,7 +329,14 @@ __device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int lg = local_group(b, u);
+#if NQ_GEMV_BRANCHLESS
+      // No branch per group, so the groups' MMA chains interleave. A group past the range
+      // reads the staged activations of local group 0 (finite) against its zero codes.
+      const int lg_safe = lg < q.ng ? lg : 0;
+      Path::group(acc, r[u], xs + Path::smem_offset_bytes(lg_safe, q.t), q.gs + lg_safe, xscale);
+#else
       if (lg < q.ng) Path::group(acc, r[u], xs + Path::smem_offset_bytes(lg, q.t), q.gs + lg, xscale);
+#endif
     }
   };
 
@@ -358,10 +399,127 @@ struct StageSwiglu { const half* gate_up;
 struct StageXq { const int8_t* xq;
   __device__ void operator()(unsigned char* xs, const Geometry& q) const { stage_xq(xs, xq, q); } };
 
+
+#if NQ_GEMV_MTILES == 1
+// ---- v3: the stream kernels (persistent, stream-K) ----------------------------------------
+// The work is T = ceil(N/16) tiles x G groups = U units of 16 rows x 128 inputs (1 KB of
+// weights), numbered tile-major. Global warp w of NW = gridDim.x * STREAM_WARPS owns units
+// [start(w), start(w+1)), start(w) = floor(w * U / NW): every warp streams the same number
+// of bytes (+-1 unit), with a ring of UNROLL units in flight that runs across tile
+// boundaries, so no warp waits at a tile's end. The CTA stages all of x once. A tile the
+// warp covered whole is stored at once; a partial tile's sums go to slot (tile, w - w1)
+// of the workspace, w1 = owner of the tile's first unit; the warp whose units complete the
+// tile's count of G adds the slots in warp order (deterministic) and stores the rows.
+#ifndef NQ_GEMV_STREAM_WARPS
+#define NQ_GEMV_STREAM_WARPS 16   // warps per CTA (one CTA per SM at 16)
+#endif
+#ifndef NQ_GEMV_STREAM_RING
+#define NQ_GEMV_STREAM_RING 4     // units in flight per warp
+#endif
+constexpr int kStreamWarps = NQ_GEMV_STREAM_WARPS;
+constexpr int kRing = NQ_GEMV_STREAM_RING;
+constexpr int kStreamThreads = 32 * kStreamWarps;
+
+struct StreamGrid {
+  long long U;  // units
+  int NW;       // warps in the grid
+  __device__ __forceinline__ long long start(int w) const { return (long long)w * U / NW; }
+  // The largest w with start(w) <= u: the warp that owns unit u.
+  __device__ __forceinline__ int owner(long long u) const { return (int)(((u + 1) * NW - 1) / U); }
+};
+
+template <class Path>
+__device__ __forceinline__ void stream_flush(float (&acc)[kMTiles][2], const Epilogue& e, const Geometry& q,
+                                             const StreamGrid& sg, int w, int tile, int units, int cmax) {
+  Path::finish(acc);
+  const int row_a = tile * 16 + q.g, row_b = row_a + 8;
+  if (units == q.G) {                              // the whole tile is this warp's
+    if (q.t == 0) {
+      if (row_a < q.N) store_row(e, row_a, acc[0][0]);
+      if (row_b < q.N) store_row(e, row_b, acc[0][1]);
+    }
+    return;
+  }
+  const long long first = (long long)tile * q.G;
+  const int w1 = sg.owner(first);
+  float* slots = e.ws + (size_t)tile * cmax * 16;
+  if (q.t == 0) {
+    slots[(w - w1) * 16 + q.g] = acc[0][0];
+    slots[(w - w1) * 16 + q.g + 8] = acc[0][1];
+    __threadfence();                               // the slot is visible before the count moves
+  }
+  __syncwarp();
+  int last = 0;
+  if (q.lane == 0) last = atomicAdd(&e.counters[tile], units) + units == q.G;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return;
+  __threadfence();
+  const int w2 = sg.owner(first + q.G - 1);
+  if (q.lane < 16) {
+    float v = 0.f;
+    for (int ww = w1; ww <= w2; ++ww)              // warp order; empty warps wrote nothing
+      if (sg.start(ww) < sg.start(ww + 1)) v += __ldcg(&slots[(ww - w1) * 16 + q.lane]);
+    const int row = tile * 16 + q.lane;
+    if (row < q.N) store_row(e, row, v);
+  }
+  if (q.lane == 0) e.counters[tile] = 0;           // ready for the next launch
+}
+
+template <class Path, class Stage>
+__device__ __forceinline__ void gemv_stream_body(const Stage& stage, const uint32_t* __restrict__ qw,
+                                                 const half* __restrict__ scales, const float* xscale,
+                                                 const Epilogue& e, int N, int K, int cmax) {
+  extern __shared__ __align__(16) unsigned char xs[];
+  Geometry q;
+  q.N = N; q.K = K; q.G = K / NQ_GROUP_SIZE; q.KW = K / 8; q.row0 = 0; q.gs = 0; q.ng = q.G;
+  q.lane = threadIdx.x & 31; q.warp = threadIdx.x >> 5; q.g = q.lane >> 2; q.t = q.lane & 3;
+  const int tiles = (N + 15) / 16;
+  StreamGrid sg{(long long)tiles * q.G, (int)gridDim.x * kStreamWarps};
+  const int w = blockIdx.x * kStreamWarps + q.warp;
+  const long long u0 = sg.start(w);
+  const int n = (int)(sg.start(w + 1) - u0);
+
+  // Load cursor (tile, group) runs kRing units ahead of the compute cursor.
+  int ld_tile = (int)(u0 / q.G), ld_grp = (int)(u0 % q.G);
+  GroupRegs ring[kRing];
+#pragma unroll
+  for (int j = 0; j < kRing; ++j) {
+    if (j < n) {
+      load_rows(ring[j], qw, scales, q, ld_tile * 16, ld_grp);
+      if (++ld_grp == q.G) { ld_grp = 0; ++ld_tile; }
+    }
+  }
+  stage(xs, q);
+  __syncthreads();   // all threads: x (all of K) is staged; no barrier follows
+
+  int c_tile = (int)(u0 / q.G), c_grp = (int)(u0 % q.G), c_units = 0;
+  float acc[kMTiles][2] = {{0.f, 0.f}};
+#pragma unroll 1
+  for (int i = 0; i < n; i += kRing) {
+#pragma unroll
+    for (int j = 0; j < kRing; ++j) {
+      if (i + j < n) {                             // warp-uniform
+        Path::group(acc, ring[j], xs + Path::smem_offset_bytes(c_grp, q.t), c_grp, xscale);
+        if (i + j + kRing < n) {                 // refill the slot just consumed
+          load_rows(ring[j], qw, scales, q, ld_tile * 16, ld_grp);
+          if (++ld_grp == q.G) { ld_grp = 0; ++ld_tile; }
+        }
+        ++c_units;
+        if (c_grp == q.G - 1 || i + j == n - 1) {  // the tile ends, or this warp's range does
+          stream_flush<Path>(acc, e, q, sg, w, c_tile, c_units, cmax);
+          acc[0][0] = acc[0][1] = 0.f;
+          c_units = 0;
+        }
+        if (++c_grp == q.G) { c_grp = 0; ++c_tile; }
+      }
+    }
+  }
+}
+#endif  // NQ_GEMV_MTILES == 1
 }  // namespace nq
 
 // grid (ceil(N / (16*MTILES)), ksplit), block 32*WARPS, dynamic smem ceil(G/ksplit)*320 B.
-extern "C" __global__ void __launch_bounds__(nq::kThreads)
+extern "C" __global__ void __launch_bounds__(nq::kThreads, NQ_GEMV_MIN_CTAS)
 nq_gemv_int4(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
              half* out, const half* bias, const half* residual, float* ws, int* counters,
              int N, int K, int ksplit) {
@@ -370,7 +528,7 @@ nq_gemv_int4(const half* __restrict__ x, const uint32_t* __restrict__ qw, const 
 }
 
 // gate_up fp16 [2K] (gate rows then up rows); K = intermediate. Same grid as nq_gemv_int4.
-extern "C" __global__ void __launch_bounds__(nq::kThreads)
+extern "C" __global__ void __launch_bounds__(nq::kThreads, NQ_GEMV_MIN_CTAS)
 nq_gemv_int4_swiglu(const half* __restrict__ gate_up, const uint32_t* __restrict__ qw,
                     const half* __restrict__ scales, half* out, const half* bias, const half* residual,
                     float* ws, int* counters, int N, int K, int ksplit) {
@@ -379,7 +537,7 @@ nq_gemv_int4_swiglu(const half* __restrict__ gate_up, const uint32_t* __restrict
 }
 
 // xq int8 [K] in dp4a byte order, xscale fp32 [K/128]. Dynamic smem ceil(G/ksplit)*128 B.
-extern "C" __global__ void __launch_bounds__(nq::kThreads)
+extern "C" __global__ void __launch_bounds__(nq::kThreads, NQ_GEMV_MIN_CTAS)
 nq_gemv_int4_dp4a(const int8_t* __restrict__ xq, const float* __restrict__ xscale,
                   const uint32_t* __restrict__ qw, const half* __restrict__ scales, half* out,
                   const half* bias, const half* residual, float* ws, int* counters,
@@ -418,3 +576,34 @@ extern "C" __global__ void nq_quantize_act_int8(const half* __restrict__ x, int8
   reinterpret_cast<uint2*>(xq + (size_t)grp * NQ_GROUP_SIZE)[l] = out;
   if (l == 0) xscale[grp] = scale;
 }
+
+#if NQ_GEMV_MTILES == 1
+// ---- v3 entry points: grid = any number of CTAs (persistent), block 32*STREAM_WARPS,
+// dynamic smem = all of K staged (K*5/2 bytes fp16, K bytes int8). ws holds
+// ceil(N/16) * cmax * 16 floats, cmax = (G-1)*NW/U + 2 (NW warps, U units); counters one
+// int per tile, zero before the first launch and left zero after each.
+extern "C" __global__ void __launch_bounds__(nq::kStreamThreads, 1)
+nq_gemv_int4_stream(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
+                    half* out, const half* bias, const half* residual, float* ws, int* counters,
+                    int N, int K, int cmax) {
+  nq::gemv_stream_body<nq::PrmtMmaPath>(nq::StageX{x}, qw, scales, nullptr,
+                                        nq::Epilogue{out, bias, residual, ws, counters, 1}, N, K, cmax);
+}
+
+extern "C" __global__ void __launch_bounds__(nq::kStreamThreads, 1)
+nq_gemv_int4_swiglu_stream(const half* __restrict__ gate_up, const uint32_t* __restrict__ qw,
+                           const half* __restrict__ scales, half* out, const half* bias, const half* residual,
+                           float* ws, int* counters, int N, int K, int cmax) {
+  nq::gemv_stream_body<nq::PrmtMmaPath>(nq::StageSwiglu{gate_up}, qw, scales, nullptr,
+                                        nq::Epilogue{out, bias, residual, ws, counters, 1}, N, K, cmax);
+}
+
+extern "C" __global__ void __launch_bounds__(nq::kStreamThreads, 1)
+nq_gemv_int4_dp4a_stream(const int8_t* __restrict__ xq, const float* __restrict__ xscale,
+                         const uint32_t* __restrict__ qw, const half* __restrict__ scales, half* out,
+                         const half* bias, const half* residual, float* ws, int* counters,
+                         int N, int K, int cmax) {
+  nq::gemv_stream_body<nq::Dp4aPath>(nq::StageXq{xq}, qw, scales, xscale,
+                                     nq::Epilogue{out, bias, residual, ws, counters, 1}, N, K, cmax);
+}
+#endif  // NQ_GEMV_MTILES == 1

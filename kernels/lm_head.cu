@@ -1,7 +1,7 @@
 // lm_head.cu: logits = fp32(W . x) for an FP16 weight W [V, H], batch 1, FP32 accumulation.
 //   nq_lm_head   logits fp32 [V]; with token_out != null also the argmax (ties -> lowest
 //                index), merged by the last CTA as in nq_argmax (decode_ops.cu)
-// nq-variants: NQ_LMHEAD_ROWS_PER_WARP=4; NQ_LMHEAD_UNROLL=2
+// nq-variants: NQ_LMHEAD_ROWS_PER_WARP=2; NQ_LMHEAD_UNROLL=2
 //
 // A persistent grid (a few CTAs per SM) walks the rows: each warp takes ROWS_PER_WARP rows
 // at a time and its lanes stride along them 16 bytes apart (coalesced 512-byte runs), with
@@ -16,7 +16,7 @@
 #define NQ_LMHEAD_WARPS 8
 #endif
 #ifndef NQ_LMHEAD_ROWS_PER_WARP
-#define NQ_LMHEAD_ROWS_PER_WARP 2
+#define NQ_LMHEAD_ROWS_PER_WARP 4
 #endif
 #ifndef NQ_LMHEAD_UNROLL
 #define NQ_LMHEAD_UNROLL 4

@@ -108,7 +108,7 @@ def _weight_map(ckpt_dir: Path) -> dict[str, str]:
         if Path(shard).name != shard:
             raise CheckpointError(index_path, f"weight_map[{name!r}]", "a file name inside the directory", shard)
         if not (ckpt_dir / shard).is_file():
-            raise CheckpointError(index_path, f"weight_map[{name!r}]", f"an existing shard file",
+            raise CheckpointError(index_path, f"weight_map[{name!r}]", "an existing shard file",
                                   f"{shard!r}, which does not exist")
     return wm
 

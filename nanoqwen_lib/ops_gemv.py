@@ -23,7 +23,7 @@ ALIGN = load().format.alignment
 
 # Tuning knobs, passed as -D defines (the kernels' own #ifndef defaults mirror these).
 GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1}
-LMHEAD_TUNING = {"NQ_LMHEAD_WARPS": 8, "NQ_LMHEAD_ROWS_PER_WARP": 2, "NQ_LMHEAD_UNROLL": 4}
+LMHEAD_TUNING = {"NQ_LMHEAD_WARPS": 8, "NQ_LMHEAD_ROWS_PER_WARP": 4, "NQ_LMHEAD_UNROLL": 4}
 DECODE_TUNING = {"NQ_DECODE_THREADS": 512}
 LMHEAD_CTAS_PER_SM = 4          # persistent grid of the lm_head
 ARGMAX_CTAS_PER_SM = 1

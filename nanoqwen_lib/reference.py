@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError, FormatError
+from .errors import ConfigError, FormatError, LimitError
 from .layout import layer_prefix, packed_tensors
 from .quant import dequantize_int4
 
@@ -55,13 +55,21 @@ def rmsnorm(x, w, eps, xp=np, rnd=round_fp16):
     return rnd(x * inv_rms * w)
 
 
+def rope_inv_freq(head_dim, theta, xp=np):
+    """inv_freq[i] = 1 / theta^(2i/d), computed in fp32 as Hugging Face does -> float32 [d/2].
+
+    Libraries' fp32 pow may differ by an ulp (torch builds do); kernels take this table from
+    here so that they and the reference share its bits."""
+    exponents = xp.arange(0, head_dim, 2, dtype="float32") / head_dim
+    return (1.0 / (theta ** exponents)).astype("float32")
+
+
 def rope_tables(positions, head_dim, theta, xp=np):
     """positions [T] ints -> (cos, sin), each float32 [T, head_dim/2].
 
-    inv_freq[i] = 1 / theta^(2i/d) in fp32 and angle = fp32(pos) * inv_freq[i], as Hugging
-    Face computes them; the half tables serve both halves of rotate_half."""
-    exponents = xp.arange(0, head_dim, 2, dtype="float32") / head_dim
-    inv_freq = (1.0 / (theta ** exponents)).astype("float32")
+    angle = fp32(pos) * inv_freq[i] in fp32; the half tables serve both halves of
+    rotate_half."""
+    inv_freq = rope_inv_freq(head_dim, theta, xp)
     angle = xp.asarray(positions).astype("float32")[:, None] * inv_freq[None, :]
     return xp.cos(angle), xp.sin(angle)
 
@@ -117,7 +125,7 @@ def attention_prefill(q, k, v, rnd=round_fp16):
     T, heads, d = q.shape
     ctx, kv_heads, _ = k.shape
     group = heads // kv_heads
-    qg = q.reshape(T, group, kv_heads, d).transpose(2, 1, 0, 3)      # [kv, group, T, d]
+    qg = q.reshape(T, kv_heads, group, d).transpose(1, 2, 0, 3)      # [kv, group, T, d]
     kt = k.transpose(1, 2, 0)[:, None]                               # [kv, 1, d, ctx]
     scores = (qg @ kt) * (d ** -0.5)                                 # [kv, group, T, ctx]
     future = xp.arange(ctx)[None, :] > (ctx - T + xp.arange(T))[:, None]
@@ -251,9 +259,13 @@ class ReferenceModel:
         self.lm_head = xp.asarray(tensors[head]).astype("float32")             # fp16 values, fp32 math
 
     def forward(self, ids, cache: KVCache):
-        """ids [T] at positions cache.length.. -> logits float32 [T, vocab]; appends to cache."""
-        xp = self.xp
-        x = self.embed[xp.asarray(ids, dtype="int64")].astype("float32")       # [T, hidden]
+        """ids [T] (list or NumPy ints) at positions cache.length.. -> logits float32
+        [T, vocab]; appends the T positions to cache."""
+        xp, ids = self.xp, np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= self.dims.vocab:
+            found = "no tokens" if ids.size == 0 else f"ids from {ids.min()} to {ids.max()}"
+            raise LimitError("<arguments>", "token ids", f"1 or more ids in [0, {self.dims.vocab})", found)
+        x = self.embed[xp.asarray(ids)].astype("float32")                      # [T, hidden]
         for i, w in enumerate(self.layers):
             k_past, v_past = cache.past(i)
             x, k, v = decoder_layer(x, w, k_past, v_past, self.dims, self.rnd)

@@ -48,9 +48,9 @@ def _parse_entry(path, name, entry, data_bytes) -> TensorInfo:
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPES:
         raise CheckpointError(path, f"tensor {name!r} dtype", f"one of {sorted(DTYPES)}", repr(dtype))
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise CheckpointError(path, f"tensor {name!r} shape", "a list of non-negative ints", repr(shape))
-    if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) for o in offs)
+    if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
             or not 0 <= offs[0] <= offs[1]):
         raise CheckpointError(path, f"tensor {name!r} data_offsets", "[begin, end] with 0 <= begin <= end",
                               repr(offs))
@@ -93,6 +93,8 @@ def read_header(path) -> tuple[dict[str, TensorInfo], dict, int]:
     if not isinstance(header, dict):
         raise CheckpointError(path, "header", "a JSON object", type(header).__name__)
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(path, "__metadata__", "an object of strings", repr(metadata)[:80])
     data_start = 8 + n
     data_bytes = size - data_start
     tensors = {name: _parse_entry(path, name, e, data_bytes) for name, e in header.items()}

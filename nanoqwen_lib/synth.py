@@ -35,7 +35,9 @@ The recipe (H = hidden, L = layers, all weights N(mean, std^2), bf16):
 Every tensor is generated in row chunks, each from its own RNG seeded with (seed,
 crc32(name), chunk index), so values do not depend on thread count; chunks are produced by
 a thread pool (NumPy releases the GIL) and written in order, one tensor slice in memory
-at a time: the 7B's 15 GB synthesizes with well under 4 GB of RAM.
+at a time: the 7B's 15 GB synthesizes with well under 4 GB of RAM (measured: 17.5 s and
+1.1 GB peak RSS with 16 threads on the H200 host; 3.7 min and 0.3 GB on a 2-core CPU box).
+The values are the same with NumPy 2.4 and 2.5 (checked by hash on both machines).
 """
 from __future__ import annotations
 

@@ -8,11 +8,12 @@ import numpy as np
 
 from .cache import cache_dir, synthetic_checkpoint
 from .packer import pack_checkpoint
+from .synth import RECIPE_VERSION
 
 
 def packed_synthetic(dims_name: str = "tiny", seed: int = 0, progress: bool = False) -> Path:
     """The .nanoqwen file of the synthetic `dims_name` checkpoint, packed once and cached."""
-    out = cache_dir() / f"{dims_name}-seed{seed}.nanoqwen"
+    out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}.nanoqwen"
     if not out.exists():
         pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed), out, progress=progress)
     return out
@@ -55,7 +56,7 @@ def packed_synthetic_direct(dims_name: str = "7b", seed: int = 0, progress: bool
     """A .nanoqwen file of `dims_name` written directly (no bf16 checkpoint), cached."""
     from .config import load
     from .weightfile import write_nanoqwen
-    out = cache_dir() / f"{dims_name}-seed{seed}-direct.nanoqwen"
+    out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}-direct.nanoqwen"
     if not out.exists():
         dims = load().model(dims_name)
         bar = None

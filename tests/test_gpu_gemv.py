@@ -15,6 +15,9 @@ A single wrong element or index costs about sum|w x| / K, far above both.
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -53,13 +56,21 @@ def poisoned(n, dtype=np.float16):
     return cp.full((n,), np.nan, dtype=dtype)
 
 
-def ref_matvec(words, scales, x64, rows=4096):
+def blocks_in_threads(n, rows, fn):
+    """fn(r0, r1) for row blocks of `rows`, in a thread pool (NumPy releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda r: fn(r, min(n, r + rows)), range(0, n, rows)))
+
+
+def ref_matvec(words, scales, x64, rows=2048):
     """(W.x, |W|.|x|) in float64, W dequantized on the CPU a block of rows at a time."""
     n = words.shape[0]
     dot, absdot = np.empty(n), np.empty(n)
-    for r in range(0, n, rows):
-        w = quant.dequantize_int4(words[r:r + rows], scales[r:r + rows]).astype(np.float64)
-        dot[r:r + rows], absdot[r:r + rows] = w @ x64, np.abs(w) @ np.abs(x64)
+
+    def block(r0, r1):
+        w = quant.dequantize_int4(words[r0:r1], scales[r0:r1]).astype(np.float64)
+        dot[r0:r1], absdot[r0:r1] = w @ x64, np.abs(w) @ np.abs(x64)
+    blocks_in_threads(n, rows, block)
     return dot, absdot
 
 
@@ -95,7 +106,7 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
         ops_gemv.gemv_int4_swiglu(dev(gu), dev(words), dev(scales), out,
                                   residual=None if res is None else dev(res), bias=None if b is None else dev(b),
                                   ksplit=ksplit, tuning=tuning)
-        extra = np.abs(quant.dequantize_int4(words, scales).astype(np.float64)) @ alt if alt.any() else 0.0
+        extra = ref_matvec(words, scales, alt)[1] if alt.any() else 0.0
     else:
         x = rng.standard_normal(k).astype(np.float16)
         x64 = x.astype(np.float64)
@@ -120,7 +131,8 @@ def test_gemv_int4_odd(rng, n, k, ksplit):
     run_gemv(rng, n, k, bias=(n + k) % 2 == 0, residual=n % 2 == 1, ksplit=s)
 
 
-@pytest.mark.parametrize("tuning", [{"NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_MTILES": 2}, {"NQ_GEMV_WARPS": 8}])
+@pytest.mark.parametrize("tuning", [{"NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2},
+                                    {"NQ_GEMV_WARPS": 8}, {"NQ_GEMV_WARPS": 2}, {"NQ_GEMV_BRANCHLESS": 0}])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 3584, None), (130, 1152, 3), (1000, 18944, None)])
 def test_gemv_int4_tuning_variants(rng, tuning, n, k, ksplit):
     run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning={**ops_gemv.GEMV_TUNING, **tuning})
@@ -222,9 +234,11 @@ def test_lm_head(rng, v, h):
     ops_gemv.lm_head(dev(x), w_dev, logits, tok)
     w, x64 = w_dev.get(), x.astype(np.float64)
     ref, absdot = np.empty(v), np.empty(v)
-    for r in range(0, v, 8192):
-        wc = w[r:r + 8192].astype(np.float64)
-        ref[r:r + 8192], absdot[r:r + 8192] = wc @ x64, np.abs(wc) @ np.abs(x64)
+
+    def block(r0, r1):
+        wc = w[r0:r1].astype(np.float64)
+        ref[r0:r1], absdot[r0:r1] = wc @ x64, np.abs(wc) @ np.abs(x64)
+    blocks_in_threads(v, 4096, block)
     got = logits.get()
     check_close(f"lm_head V={v} H={h}", got, ref, absdot, 2.0 ** -16, rtol=0.0)
     assert int(tok.get()[0]) == int(np.argmax(got)), "fused argmax != argmax of the logits"

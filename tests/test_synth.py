@@ -27,7 +27,6 @@ def tiny_dir():
 
 def test_exact_hf_layout(tiny_dir):
     st_torch = pytest.importorskip("safetensors.torch")
-    torch = pytest.importorskip("torch")
     assert json.loads((tiny_dir / "config.json").read_text()) == TINY.to_hf_config()
     gen = json.loads((tiny_dir / "generation_config.json").read_text())
     assert gen["bos_token_id"] == 151643 and gen["eos_token_id"] == [151645, 151643] and gen["do_sample"] is False
@@ -47,7 +46,6 @@ def test_exact_hf_layout(tiny_dir):
     for name, blob in hf_tokenizer_files(QwenTokenizer.default()).items():
         assert (tiny_dir / name).read_bytes() == blob, name
     assert not [p for p in tiny_dir.iterdir() if p.name.endswith(".tmp")]
-    del torch
 
 
 def test_deterministic_and_independent_of_threads(tiny_dir, tmp_path):
@@ -99,12 +97,15 @@ def test_7b_plan_streams_in_bounded_memory():
         assert max((r1 - r0) * math.prod(shape[1:]) for r0, r1 in chunks) <= max(CHUNK_ELEMS, shape[-1])
 
 
-def test_transformers_runs_it_and_it_is_decisive(tiny_dir):
-    """HF's own Qwen2 loads every tensor, and its logits have the spread the recipe promises."""
+@pytest.mark.parametrize("dims_name", ["tiny", "tiny-hd64"])
+def test_transformers_runs_it_and_it_is_decisive(dims_name):
+    """HF's own Qwen2 loads every tensor, and its logits have the spread the recipe promises
+    (for tied embeddings too, where the final norm's random signs stop self-prediction)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    ckpt_dir = cache.synthetic_checkpoint(dims_name, seed=0, progress=False)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny_dir), dtype=torch.float32, output_loading_info=True)
+        str(ckpt_dir), dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 151643, (4, 48), generator=g)
@@ -119,8 +120,10 @@ def test_transformers_runs_it_and_it_is_decisive(tiny_dir):
     near = (gap < load().validation.near_tie_logit_gap).double().mean().item()
     assert gap.median().item() > 0.8 and near < 0.08, (gap.median().item(), near)
     assert (logits.argmax(-1) < synth.tokenizer_vocab()).all()       # never a padded id
-    for h in out.hidden_states[:-1]:                                 # residual stream stays O(1)
-        assert 0.7 < h.pow(2).mean().sqrt().item() < 2.0
+    assert (logits.argmax(-1)[:, :-1] != ids[:, :-1]).all()            # no echo of the input
+    s_e = tensor_recipe("model.embed_tokens.weight", synthesize_dims(dims_name))[1]
+    for h in out.hidden_states[:-1]:                     # residual stream stays O(embedding rms)
+        assert 0.7 * s_e < h.pow(2).mean().sqrt().item() < 2.0 * s_e
     assert len(set(logits[:, -1].argmax(-1).tolist())) >= 2          # context changes the answer
 
 

@@ -44,7 +44,7 @@ def decode_step(kern: AttentionKernels, ws: AttentionWorkspace, ctx: int, rng) -
     block_table = cp.asarray(table.block_table)
     context_len = cp.asarray([ctx], dtype=cp.int32)
     ws.poison()
-    kern.rope_append(qkv, position, slot, q, k_cache, v_cache, ws)
+    kern.rope_append_kv(qkv, position, slot, k_cache, v_cache, q)
     kern.paged_attention(q, k_cache, v_cache, block_table, context_len, out, ws)
     cp.cuda.runtime.deviceSynchronize()
     k, v = kvcache.gather_kv(cp.asnumpy(pool), 0, table.block_table, ctx)

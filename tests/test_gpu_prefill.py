@@ -1,0 +1,260 @@
+"""The prefill kernels against float64 references (needs a GPU).
+
+Every case draws fresh random inputs (the seed is printed on failure), poisons the output
+with NaN before the launch and checks every element.
+
+GEMM (kernels/prefill_gemm.cu). The kernel feeds the tensor cores w16 = fp16(code * scale)
+(one rounding of the exact code * scale, documented in the kernel), so the tight check is
+against that:  |out - ref16| <= 2^-10 |ref16| + acc(K) * sum_k |x_k w16_k| + 2^-24,  where
+ref16 = x . w16 [+ bias] [+ residual] in float64; 2^-10 |ref| is one fp16 ulp (the kernel
+rounds once: half an ulp, plus room for the FP32 sum landing across a rounding midpoint) and
+acc(K) = (K/16 + 8) * 2^-24 covers the FP32 accumulation (a chain of K/16 tensor-core steps,
+each rounding once, plus the epilogue adds). A wrong element or index costs ~sum|x w| / K,
+well above acc(K) for K = 384 and 3584. Against the exact contract (ref = x . (code * scale),
+reference.linear's arithmetic) the extra error is at most 2^-11 sum |x_k w_k| (each weight off
+by at most half an fp16 ulp); that bound is checked too.
+
+Attention: |out - ref| <= 2^-10 |ref| + 2^-10 * sum_j p_j |v_j| + 2^-25 * ctx * max|v| + 2^-24:
+one output ulp; P enters the tensor cores as fp16 (relative 2^-11, doubled for exp2 and the
+FP32 rescaling); p below the fp16 normal range is off by at most 2^-25 absolute.
+RoPE: one fp16 ulp plus 2^-20 (|x1| + |x2|) for cos/sin (sincosf vs NumPy, a few fp32 ulp).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen_lib import config, kvcache, quant
+from nanoqwen_lib import reference as ref
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from nanoqwen_lib import cuda_build  # noqa: E402
+
+if not cuda_build.have_gpu():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from nanoqwen_lib import ops_prefill  # noqa: E402
+
+U16 = 2.0 ** -10
+TINY16 = 2.0 ** -24
+DIMS_7B = config.load().model("7b")
+SHAPES_7B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+
+
+@pytest.fixture
+def rng():
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def rand_int4(rng, n, k):
+    """Random packed weights (every nibble, -8 too) and fp16 scales, on the device."""
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
+    return cp.asarray(words), cp.asarray(scales)
+
+
+def rand16(rng, shape, scale=1.0):
+    return cp.asarray((scale * rng.standard_normal(shape)).astype(np.float16))
+
+
+def check_close(name, got, refv, bound):
+    """Every element within bound; NaN (an unwritten element) fails. Returns max err/bound."""
+    got = got.astype(cp.float64)
+    err = cp.abs(got - refv)
+    bad = cp.flatnonzero(~(err <= bound))
+    if bad.size:
+        idx = cp.asnumpy(bad[:8])
+        g, r, e, b = (cp.asnumpy(a.ravel()[bad[:8]]) for a in (got, refv, err, bound))
+        rows = "\n".join(f"  [{np.unravel_index(i, got.shape)}] got {g[j]!r} ref {r[j]!r} err {e[j]:.3g} "
+                         f"bound {b[j]:.3g}" for j, i in enumerate(idx))
+        pytest.fail(f"{name}: {bad.size} of {got.size} elements out of bounds\n{rows}")
+    return float((err / bound).max())
+
+
+# ---------------------------------------------------------------- GEMM
+def gemm_refs(x64, words, scales, bias, residual, dx=None, rows=4096):
+    """-> (ref16, ref_exact, absdot, dxdot) float64 [T, N]: x . w16 and x . (code*scale)
+    (+ bias, + residual), |x| . |w| and |dx| . |w| (0 without dx), W dequantized
+    (quant.dequantize_int4) a block of rows at a time."""
+    n, t = words.shape[0], x64.shape[0]
+    out16, exact, absdot, dxdot = (cp.zeros((t, n)) for _ in range(4))
+    for r in range(0, n, rows):
+        w = quant.dequantize_int4(words[r:r + rows], scales[r:r + rows], xp=cp).astype(cp.float64)
+        w16 = w.astype(cp.float16).astype(cp.float64)
+        out16[:, r:r + rows], exact[:, r:r + rows] = x64 @ w16.T, x64 @ w.T
+        absdot[:, r:r + rows] = cp.abs(x64) @ cp.abs(w).T
+        if dx is not None:
+            dxdot[:, r:r + rows] = dx @ cp.abs(w).T
+    for extra in (bias, residual):
+        if extra is not None:
+            out16 += extra.astype(cp.float64)
+            exact += extra.astype(cp.float64)
+    return out16, exact, absdot, dxdot
+
+
+def run_gemm(rng, t, n, k, *, bias=False, residual=False, swiglu=False, bm=None, weights=None):
+    words, scales = weights if weights is not None else rand_int4(rng, n, k)
+    dx = None
+    if swiglu:
+        gate_up = rand16(rng, (t, 2 * k), 2.0)
+        x64 = ref.swiglu(gate_up.astype(cp.float32)).astype(cp.float64)    # fp16(silu(g) * u)
+        # The kernel's act (expf, IEEE division) may differ from CuPy's in the last fp16 bit
+        # of a few elements: |dx| . |w| is added to the bounds (0 when they agree).
+        act = cp.empty((t, k), cp.float16)
+        ops_prefill.swiglu_act(gate_up, act)
+        dx = cp.abs(act.astype(cp.float64) - x64)
+        assert float(dx.max()) <= 2.0 ** -10 * float(cp.abs(x64).max()), "act differs by more than an ulp"
+    else:
+        x = rand16(rng, (t, k))
+        x64 = x.astype(cp.float64)
+    b = rand16(rng, (n,)) if bias else None
+    out = cp.full((t, n), np.nan, dtype=cp.float16)
+    res = None
+    if residual:                                    # in place: the residual is the output buffer
+        out[...] = rand16(rng, (t, n))
+        res = out.copy()
+    ref16, exact, absdot, dxdot = gemm_refs(x64, words, scales, b, res, dx)
+    if swiglu:
+        ops_prefill.gemm_int4_swiglu(gate_up, words, scales, out, residual=out if residual else None, bm=bm)
+    else:
+        ops_prefill.gemm_int4(x, words, scales, out, bias=b, residual=out if residual else None, bm=bm)
+    cp.cuda.Device().synchronize()
+    name = f"gemm T={t} N={n} K={k} bias={bias} residual={residual} swiglu={swiglu} bm={bm}"
+    acc = (k / 16 + 8) * TINY16
+    tight = check_close(name, out, ref16, U16 * cp.abs(ref16) + acc * absdot + dxdot + TINY16)
+    check_close(name + " (exact weights)", out, exact,
+                U16 * cp.abs(exact) + (2.0 ** -11 + acc) * absdot + dxdot + TINY16)
+    return tight
+
+
+PROJ_VARIANT = {"qkv": dict(bias=True), "o_proj": dict(residual=True), "gate_up": {},
+                "down": dict(swiglu=True, residual=True)}
+
+
+@pytest.fixture(scope="module")
+def weights_7b():
+    """One random 7B weight set per projection for the module (fresh every run)."""
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**63))
+    return {p: rand_int4(rng, n, k) for p, (n, k) in SHAPES_7B.items()}
+
+
+@pytest.mark.parametrize("t", [1, 17, 512])
+@pytest.mark.parametrize("proj", list(SHAPES_7B))
+def test_gemm_7b(rng, weights_7b, proj, t):
+    n, k = SHAPES_7B[proj]
+    run_gemm(rng, t, n, k, weights=weights_7b[proj], **PROJ_VARIANT[proj])
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("t,n,k", [(5, 136, 384), (130, 136, 384), (3, 7, 128), (200, 250, 256)])
+@pytest.mark.parametrize("variant", [{}, dict(bias=True), dict(residual=True), dict(bias=True, residual=True),
+                                     dict(swiglu=True), dict(swiglu=True, residual=True)],
+                         ids=["plain", "bias", "residual", "bias+residual", "swiglu", "swiglu+residual"])
+def test_gemm_odd(rng, t, n, k, bm, variant):
+    run_gemm(rng, t, n, k, bm=bm, **variant)
+
+
+def test_swiglu_fused_equals_unfused(rng):
+    """gemm_int4_swiglu == swiglu_act then gemm_int4, bit for bit (same act, same GEMM)."""
+    t, n, k = 77, 384, 1024
+    words, scales = rand_int4(rng, n, k)
+    gate_up = rand16(rng, (t, 2 * k), 2.0)
+    act = cp.full((t, k), np.nan, dtype=cp.float16)
+    fused, unfused = (cp.full((t, n), np.nan, dtype=cp.float16) for _ in range(2))
+    ops_prefill.gemm_int4_swiglu(gate_up, words, scales, fused, bm=64)
+    ops_prefill.swiglu_act(gate_up, act)
+    ops_prefill.gemm_int4(act, words, scales, unfused, bm=64)
+    want = ref.swiglu(gate_up.astype(cp.float32)).astype(cp.float16)
+    assert int((act.view(cp.uint16) != want.view(cp.uint16)).sum()) <= t * k // 1000, "act differs from the reference"
+    assert cp.array_equal(fused.view(cp.uint16), unfused.view(cp.uint16))
+
+
+def test_gemm_rejects_bad_buffers(rng):
+    words, scales = rand_int4(rng, 128, 256)
+    x = rand16(rng, (4, 256))
+    out = cp.empty((4, 128), cp.float16)
+    with pytest.raises(Exception, match="x.dtype"):
+        ops_prefill.gemm_int4(x.astype(cp.float32), words, scales, out)
+    with pytest.raises(Exception, match="out.shape"):
+        ops_prefill.gemm_int4(x, words, scales, cp.empty((4, 127), cp.float16))
+    with pytest.raises(Exception, match="data.ptr"):
+        ops_prefill.gemm_int4(x, words, scales, cp.empty(4 * 128 + 8, cp.float16)[8:].reshape(4, 128))
+
+
+# ---------------------------------------------------------------- RoPE + KV write, attention
+def paged_pool(dims, ctx, rng, extra_pages=3):
+    """A NaN-poisoned one-layer pool [1, 2, P, kv_heads, 16, d] and a PageTable of ctx tokens
+    on shuffled physical pages."""
+    num_pages = kvcache.pages_for(ctx) + extra_pages
+    table = kvcache.PageTable(kvcache.PageAllocator(num_pages, order=rng.permutation(num_pages)),
+                              kvcache.pages_for(ctx) + 2)
+    table.append_tokens(ctx)
+    pool = cp.full((1, 2) + kvcache.pool_shape(dims, num_pages)[2:], np.nan, dtype=cp.float16)
+    return pool, table
+
+
+DIMS = {"7b": DIMS_7B, "tiny-hd64": config.load().model("tiny-hd64")}
+
+
+@pytest.mark.parametrize("dims_name,t,start", [("7b", 17, 0), ("7b", 512, 0), ("7b", 17, 40), ("tiny-hd64", 100, 0)])
+def test_prefill_rope_write_kv(rng, dims_name, t, start):
+    dims = DIMS[dims_name]
+    ctx = start + t
+    pool, table = paged_pool(dims, ctx, rng)
+    qkv = rand16(rng, (t, dims.qkv_dim), 2.0)
+    q_out = cp.full((t, dims.num_heads, dims.head_dim), np.nan, dtype=cp.float16)
+    bt = cp.asarray(table.block_table)
+    ops_prefill.prefill_rope_write_kv(qkv, pool[0, 0], pool[0, 1], bt, q_out, dims, start_pos=start)
+
+    q32 = qkv.astype(cp.float32)
+    qd, kd = dims.q_dim, dims.kv_dim
+    q = q32[:, :qd].reshape(t, dims.num_heads, dims.head_dim)
+    k = q32[:, qd:qd + kd].reshape(t, dims.num_kv_heads, dims.head_dim)
+    v = qkv[:, qd + kd:].reshape(t, dims.num_kv_heads, dims.head_dim)
+    cos, sin = ref.rope_tables(cp.arange(start, ctx), dims.head_dim, dims.rope_theta, cp)
+
+    def bound(x, r):
+        half = dims.head_dim // 2
+        mag = cp.abs(x[..., :half]) + cp.abs(x[..., half:])
+        return U16 * cp.abs(r) + 2.0 ** -20 * cp.concatenate([mag, mag], axis=-1) + TINY16
+
+    q_ref = ref.round_fp16(ref.apply_rope(q, cos, sin)).astype(cp.float64)
+    check_close("q_rot", q_out, q_ref, bound(q, q_ref))
+    k_cache, v_cache = kvcache.gather_kv(pool, 0, bt, ctx)           # [ctx, kv_heads, d]
+    k_ref = ref.round_fp16(ref.apply_rope(k, cos, sin)).astype(cp.float64)
+    check_close("k in pages", k_cache[start:], k_ref, bound(k, k_ref))
+    assert cp.array_equal(v_cache[start:].view(cp.uint16), v.view(cp.uint16)), "v copied bit for bit"
+    written = cp.zeros(pool.shape[2:5], dtype=bool)                 # [pages, kv_heads, 16]
+    slots = cp.asarray(table.slot_mapping(np.arange(start, ctx)))
+    written[slots // 16, :, slots % 16] = True
+    for kv in (0, 1):
+        assert bool(cp.isnan(pool[0, kv][~written]).all()), "nothing outside the T slots is written"
+
+
+def attention_case(rng, dims, t, start):
+    """q [T, heads, d] fp16; K, V [ctx, kv_heads, d] fp16 written into shuffled pages."""
+    ctx = start + t
+    pool, table = paged_pool(dims, ctx, rng)
+    q = rand16(rng, (t, dims.num_heads, dims.head_dim), 1.5)
+    k = rand16(rng, (ctx, dims.num_kv_heads, dims.head_dim))
+    v = rand16(rng, (ctx, dims.num_kv_heads, dims.head_dim))
+    kvcache.write_kv(pool, 0, cp.asarray(table.slot_mapping(np.arange(ctx))), k, v)
+    return q, k, v, pool, cp.asarray(table.block_table)
+
+
+@pytest.mark.parametrize("dims_name,t,start", [("7b", 1, 0), ("7b", 17, 0), ("7b", 512, 0), ("7b", 130, 0),
+                                               ("7b", 17, 40), ("7b", 100, 300), ("tiny-hd64", 100, 0)])
+def test_prefill_attention(rng, dims_name, t, start):
+    dims = DIMS[dims_name]
+    q, k, v, pool, bt = attention_case(rng, dims, t, start)
+    out = cp.full((t, dims.q_dim), np.nan, dtype=cp.float16)
+    ops_prefill.prefill_attention(q, pool[0, 0], pool[0, 1], bt, out, dims, start_pos=start)
+    q64, k64, v64 = (a.astype(cp.float64) for a in (q, k, v))
+    want = ref.attention_prefill(q64, k64, v64, ref.keep_fp32).reshape(t, dims.q_dim)
+    abs_pv = ref.attention_prefill(q64, k64, cp.abs(v64), ref.keep_fp32).reshape(t, dims.q_dim)
+    bound = U16 * cp.abs(want) + U16 * abs_pv + 2.0 ** -25 * (start + t) * float(cp.abs(v64).max()) + TINY16
+    check_close(f"attention {dims_name} T={t} start={start}", out, want, bound)
