@@ -274,6 +274,8 @@ def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
         "NQ_PAGE_TOKENS": cfg.kv_cache.page_tokens,
         "NQ_KV_DTYPE_BYTES": cfg.kv_cache.dtype_bytes,
         "NQ_ATTN_STAGES": cfg.kv_cache.attention_stages,
+        # device-resident scalars of the decode step: one int32 per 128-byte line
+        "NQ_SCALAR_STRIDE": cfg.format.alignment // 4,
     }
     if dims is not None:
         d.update({

@@ -14,13 +14,14 @@ from __future__ import annotations
 import numpy as np
 
 from .arena import ArenaPlan, DeviceArena
-from .config import ModelDims, load
+from .config import ModelDims, cuda_defines, load
 from .errors import LimitError
 from .generate import check_request
 
 KV = load().kv_cache
-SCALARS = ("token", "position", "context_len", "slot")
-SCALAR_STRIDE = 32          # int32s between scalars: each one starts on its own 128-byte line
+# Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu).
+SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")
+SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
 
 
 def plan_arena(dims: ModelDims, max_tokens: int) -> ArenaPlan:
@@ -56,7 +57,9 @@ def plan_arena(dims: ModelDims, max_tokens: int) -> ArenaPlan:
     p.add("a.gate_up", np.float16, (2 * i,))
     p.add("a.logits", np.float32, (dims.vocab,))
     p.add("s.scalars", np.int32, (len(SCALARS) * SCALAR_STRIDE,))
-    p.add("s.block_table", np.int32, (pages,))
+    p.add("s.block_table", np.int32, (pages,))         # logical page -> physical page
+    p.add("s.free_pages", np.int32, (pages,))          # a stack; the step pops from the top
+    p.add("s.generated", np.int32, (pages * KV.page_tokens,))  # argmax after each position
     return p
 
 
@@ -83,13 +86,19 @@ def weight_sources(dims: ModelDims) -> list[tuple[str, str, int]]:
 
 
 class GpuBackend:
-    """Greedy decode on the GPU (eager launches). Backend protocol of generate.py."""
+    """Greedy decode on the GPU; the backend protocol of generate.py.
+
+    All work is enqueued on one stream. The step's bookkeeping (slot, context length, page
+    allocation on a page boundary, position) runs on the device, so a decode step needs
+    nothing from the host: `graphs=True` captures it once per variant and replays it.
+    """
 
     name = "gpu"
 
-    def __init__(self, nq_file, max_tokens: int | None = None):
+    def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True):
         import cupy as cp
         from . import ops_attention, ops_gemv
+        from .cuda_build import load_module
         self.cp, self.gemv, self.attn = cp, ops_gemv, ops_attention
         dims = self.dims = nq_file.dims
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
@@ -99,44 +108,74 @@ class GpuBackend:
             a.upload(dst, tensors[src], row)
         self.lm_head = a["w.embed"] if dims.tie_embeddings else a["w.lm_head"]
         self.scalar = {n: a["s.scalars"][k * SCALAR_STRIDE:k * SCALAR_STRIDE + 1] for k, n in enumerate(SCALARS)}
-        self.staging = cp.cuda.alloc_pinned_memory(a["s.scalars"].nbytes)
+        self.staging = cp.cuda.alloc_pinned_memory(a["s.scalars"].nbytes)   # host -> scalars
         self.host_scalars = np.frombuffer(self.staging, np.int32, a["s.scalars"].size)
-        self.host_scalars[:] = 0
+        # One pinned slot per position for tokens the host feeds (the prompt): an async copy
+        # reads its source when it runs, so a slot is never rewritten while a copy may be pending.
+        self.token_staging = cp.cuda.alloc_pinned_memory(4 * self.pages * KV.page_tokens)
+        self.host_tokens = np.frombuffer(self.token_staging, np.int32, self.pages * KV.page_tokens)
         self.workspace = ops_attention.AttentionWorkspace(dims, self.max_tokens)
         self.kv = a["kv"]
         self.pages = a["s.block_table"].size
+        step = load_module("engine_step", dims)
+        self.k_begin, self.k_end = step.get_function("nq_step_begin"), step.get_function("nq_step_end")
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.use_graphs, self.graphs = graphs, None
         self.position = 0
 
-    # -- host side of one step: the four scalars and the block table, in one copy each
-    def _set_scalars(self, token: int, position: int) -> None:
-        page = self.block_table_host[position // KV.page_tokens]
-        slot = int(page) * KV.page_tokens + position % KV.page_tokens
-        for name, v in zip(SCALARS, (token, position, position + 1, slot)):
-            self.host_scalars[SCALARS.index(name) * SCALAR_STRIDE] = v
-        self.arena["s.scalars"].set(self.host_scalars)
+    # ------------------------------------------------------------------ host -> device
+    def _upload_scalars(self) -> None:
+        """The one host -> device copy of the scalars: pinned staging, on the engine's stream
+        (the safe pattern: ordered with the kernels, never a pageable or default-stream copy)."""
+        dst = self.arena["s.scalars"]
+        self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, self.staging.ptr, dst.nbytes,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
 
     def reset(self, physical_pages=None) -> None:
-        """Start a new sequence. Logical page i lives in physical page physical_pages[i]
-        (default: in order; tests pass a permutation to exercise the block table)."""
-        self.position = 0
+        """Start a sequence. The free list is popped from the top, so logical page i gets
+        physical page physical_pages[i] (default in order; tests pass a permutation)."""
         pages = np.arange(self.pages) if physical_pages is None else np.asarray(physical_pages)
         assert sorted(pages.tolist()) == list(range(self.pages)), "a permutation of the pool's pages"
-        self.block_table_host = pages.astype(np.int32)
-        self.arena["s.block_table"].set(self.block_table_host)
+        self.stream.synchronize()      # nothing of a previous sequence still reads the staging
+        with self.stream:
+            self.arena["s.free_pages"].set(pages[::-1].astype(np.int32), stream=self.stream)
+            self.arena["s.block_table"].fill(-1)          # unallocated: never a valid page
+            self.arena["s.generated"].fill(-1)
+        self.host_scalars[:] = 0
+        self.host_scalars[SCALARS.index("free_top") * SCALAR_STRIDE] = self.pages
+        self._upload_scalars()
+        self.position = 0
 
-    def decode_step(self) -> None:
-        """Enqueue the whole model for the token/position in the scalars (no host sync)."""
+    # ------------------------------------------------------------------ one step
+    def enqueue_step(self, new_page: bool) -> None:
+        """The whole decode step for the token and position in the device scalars."""
+        self.begin_step(new_page)
         self.embed_step()
         for l in range(self.dims.num_layers):
             self.layer_step(l)
         self.head_step()
+        self.end_step()
+
+    def write_token(self, token: int) -> None:
+        """Feed `token` as the input of the step at self.position (host -> device, ordered)."""
+        slot = self.host_tokens[self.position:self.position + 1]
+        slot[0] = token
+        self.cp.cuda.runtime.memcpyAsync(self.scalar["token"].data.ptr, slot.ctypes.data, 4,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+
+    def begin_step(self, new_page: bool) -> None:
+        a = self.arena
+        self.k_begin((1,), (32,), (a["s.scalars"], a["s.block_table"], a["s.free_pages"],
+                                   np.int32(new_page), np.int32(self.pages)))
+
+    def end_step(self) -> None:
+        self.k_end((1,), (32,), (self.arena["s.scalars"], self.arena["s.generated"]))
 
     def embed_step(self) -> None:
-        g, a = self.gemv, self.arena
-        g.embed(self.scalar["token"], a["w.embed"], a["a.x"])
+        self.gemv.embed(self.scalar["token"], self.arena["w.embed"], self.arena["a.x"])
 
     def layer_step(self, l: int) -> None:
-        """One decoder layer on a.x (in place), K/V of this position appended to the cache."""
+        """One decoder layer on a.x (in place); this position's K/V appended to the cache."""
         a, d, g, at = self.arena, self.dims, self.gemv, self.attn
         x, y, w = a["a.x"], a["a.y"], f"w.{l}."
         g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)
@@ -156,32 +195,63 @@ class GpuBackend:
         g.lm_head(a["a.y"], self.lm_head, a["a.logits"])
         g.argmax(a["a.logits"], self.scalar["token"])
 
-    def cached_kv(self, layer: int, n: int):
-        """K, V of positions [0, n) of `layer` gathered from the pages: [n, kv_heads, d] each."""
-        pages = self.arena["s.block_table"].get()
-        out = []
-        for which in (0, 1):
-            pool = self.kv[layer, which]                   # [pages, kv_heads, page_tokens, d]
-            rows = pool[self.cp.asarray(pages[: -(-n // KV.page_tokens)])]
-            out.append(rows.transpose(0, 2, 1, 3).reshape(-1, self.dims.num_kv_heads, self.dims.head_dim)[:n])
-        return out
+    def capture_graphs(self) -> None:
+        """Capture the two variants of the step once: mid-page and page boundary (which
+        pops a new page). Call after one eager step, so every module and workspace exists."""
+        self.graphs = {}
+        for new_page in (False, True):
+            with self.stream:
+                self.stream.begin_capture()
+                self.enqueue_step(new_page)
+                self.graphs[new_page] = self.stream.end_capture()
+            self.graphs[new_page].upload(self.stream)
 
-    def _step(self, token: int) -> int:
+    def launch_step(self, token: int | None = None) -> None:
+        """Enqueue one step at self.position: eagerly (writing `token` first when given, as
+        the prompt does) or, once graphs exist and no token is given, as a graph replay."""
         if self.position >= self.max_tokens:
             raise LimitError("<generate>", "sequence length", f"<= {self.max_tokens} tokens (KV pool)",
                              self.position + 1)
-        self._set_scalars(token, self.position)
-        self.decode_step()
+        new_page = self.position % KV.page_tokens == 0
+        if token is None and self.graphs is not None:
+            self.graphs[new_page].launch(self.stream)
+        else:
+            with self.stream:
+                if token is not None:
+                    self.write_token(token)
+                self.enqueue_step(new_page)
         self.position += 1
-        return int(self.scalar["token"].get()[0])
 
+    def token_at(self, position: int) -> int:
+        """The argmax after `position` (synchronizes: the only per-token sync, for streaming)."""
+        self.stream.synchronize()
+        err = int(self.scalar["error"].get()[0])
+        if err:
+            raise LimitError("<generate>", "KV pages", "a free page for every position", f"device error {err}")
+        return int(self.arena["s.generated"][position].get())
+
+    # ------------------------------------------------------------------ the protocol
     def prefill(self, ids: list[int], physical_pages=None) -> int:
+        """The simple correct prefill: the prompt through the decode step, token by token."""
         check_request(self.dims, list(ids), 1, self.max_tokens)
         self.reset(physical_pages)
-        nxt = None
         for t in ids:
-            nxt = self._step(int(t))
-        return nxt
+            self.launch_step(int(t))
+        if self.use_graphs and self.graphs is None:
+            self.capture_graphs()
+        return self.token_at(self.position - 1)
 
     def decode(self, token: int) -> int:
-        return self._step(int(token))
+        """One step on the token the device already holds (argmax wrote it)."""
+        self.launch_step(None if self.graphs is not None else int(token))
+        return self.token_at(self.position - 1)
+
+    def cached_kv(self, layer: int, n: int):
+        """K, V of positions [0, n) of `layer` gathered from the pages: [n, kv_heads, d] each."""
+        self.stream.synchronize()
+        pages = self.arena["s.block_table"].get()[: -(-n // KV.page_tokens)]
+        out = []
+        for which in (0, 1):
+            rows = self.kv[layer, which][self.cp.asarray(pages)]     # [pages, kv_heads, 16, d]
+            out.append(rows.transpose(0, 2, 1, 3).reshape(-1, self.dims.num_kv_heads, self.dims.head_dim)[:n])
+        return out

@@ -24,7 +24,10 @@ from .config import ModelDims, load
 
 ALIGN = load().format.alignment
 ATTN_THREADS = 32 * (1 + 4)      # kernels/paged_attention.cu THREADS: producer warp + 4 consumer warps
-DEFAULT_MAX_SPLITS = 64          # grid = kv_heads x 64 = 256 CTAs on the 7B: ~2 per SM of 132
+# Grid = kv_heads x max_splits. The split kernel takes 120 registers x 160 threads, so 3 CTAs
+# fit an SM: 4 x 96 = 384 CTAs is one wave on the H200's 132 SMs (396 slots).
+DEFAULT_MAX_SPLITS = 96
+MAX_SPLITS_COMBINE = 1024        # kernels/paged_attention.cu: the combine stages <= 1024 splits
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
@@ -56,7 +59,8 @@ class AttentionWorkspace:
 
     def __init__(self, dims: ModelDims, max_context: int, max_splits: int = DEFAULT_MAX_SPLITS):
         import cupy as cp
-        assert max_splits >= 1 and max_context >= 1
+        assert 1 <= max_splits <= MAX_SPLITS_COMBINE, f"max_splits in 1..{MAX_SPLITS_COMBINE}, found {max_splits}"
+        assert max_context >= 1
         self.dims, self.max_context, self.max_splits = dims, max_context, max_splits
         self.max_pages = kvcache.pages_for(max_context)
         self.m = cp.empty((max_splits, dims.num_heads), cp.float32)

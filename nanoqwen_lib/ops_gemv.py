@@ -22,7 +22,11 @@ GROUP = load().format.group_size
 ALIGN = load().format.alignment
 
 # Tuning knobs, passed as -D defines (the kernels' own #ifndef defaults mirror these).
-GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1}
+GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1,
+               "NQ_GEMV_STREAM_WARPS": 16, "NQ_GEMV_STREAM_RING": 4}
+GEMV_IMPL = "tiles"             # "tiles": CTA per 16-row tile (+ split-K); "stream": persistent stream-K
+STREAM_CTAS_PER_SM = 1
+STREAM_MIN_WARP_UNITS = 2       # fewer CTAs for tiny GEMVs: every warp gets >= 2 units
 LMHEAD_TUNING = {"NQ_LMHEAD_WARPS": 8, "NQ_LMHEAD_ROWS_PER_WARP": 4, "NQ_LMHEAD_UNROLL": 4}
 DECODE_TUNING = {"NQ_DECODE_THREADS": 512}
 LMHEAD_CTAS_PER_SM = 4          # persistent grid of the lm_head
@@ -44,7 +48,7 @@ def _kernel(module: str, name: str, extra: tuple):
 
 
 def _gemv_kernel(name: str, tuning: dict | None):
-    return _kernel("gemv_int4", name, tuple(sorted((tuning or GEMV_TUNING).items())))
+    return _kernel("gemv_int4", name, tuple(sorted({**GEMV_TUNING, **(tuning or {})}.items())))
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,7 +122,7 @@ def _weights(fn: str, qweight, scales) -> tuple[int, int]:
 def plan_split(n: int, k: int, tuning: dict | None = None) -> int:
     """Split-K slices for an N x K GEMV: enough CTAs to fill the SMs, each range small
     enough for shared memory, each warp still with a few groups."""
-    t = tuning or GEMV_TUNING
+    t = {**GEMV_TUNING, **(tuning or {})}
     rows = 16 * t["NQ_GEMV_MTILES"]
     tiles, groups = -(-n // rows), k // GROUP
     s = max(1, -(-groups // SPLIT_MAX_CTA_GROUPS))
@@ -130,14 +134,22 @@ def plan_split(n: int, k: int, tuning: dict | None = None) -> int:
 
 def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group: int,
                  qweight, scales, out, bias, residual, n: int, k: int,
-                 ksplit: int | None, tuning: dict | None) -> None:
-    t = tuning or GEMV_TUNING
+                 ksplit: int | None, tuning: dict | None, impl: str | None = None, ctas: int | None = None) -> None:
+    t = {**GEMV_TUNING, **(tuning or {})}
     _check(fn, "out", out, np.float16, (n,))
     if bias is not None:
         _check(fn, "bias", bias, np.float16, (n,))
     if residual is not None:
         _check(fn, "residual", residual, np.float16, (n,))   # may be `out` itself (in place)
+    impl = impl or GEMV_IMPL
+    if impl not in ("tiles", "stream"):
+        raise NanoqwenError(f"ops_gemv.{fn}", "impl", "'tiles' or 'stream'", repr(impl))
     groups = k // GROUP
+    # The stream kernels stage all of K per CTA; past 48 KiB they fall back to tiles.
+    if impl == "stream" and t["NQ_GEMV_MTILES"] == 1 and groups * act_bytes_per_group <= 48 * 1024:
+        _launch_stream(fn, kernel_name + "_stream", act_args, groups * act_bytes_per_group,
+                       qweight, scales, out, bias, residual, n, k, t, ctas)
+        return
     s = ksplit or plan_split(n, k, t)
     if not 1 <= s <= groups:
         raise NanoqwenError(f"ops_gemv.{fn}", "ksplit", f"1..{groups} (groups of K)", s)
@@ -159,25 +171,47 @@ def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group
          shared_mem=smem)
 
 
+def _launch_stream(fn, kernel_name, act_args, smem, qweight, scales, out, bias, residual, n, k, t, ctas):
+    """Persistent stream-K launch: units of 16 rows x 128 inputs split evenly over the warps."""
+    warps = t["NQ_GEMV_STREAM_WARPS"]
+    tiles, groups = -(-n // 16), k // GROUP
+    units = tiles * groups
+    grid = ctas or max(1, min(STREAM_CTAS_PER_SM * num_sms(), -(-units // (warps * STREAM_MIN_WARP_UNITS))))
+    nw = grid * warps
+    cmax = (groups - 1) * nw // units + 2              # most warps that share one tile
+    ws = workspace()
+    if tiles * cmax * 16 > ws.partial.size or tiles > ws.counters.size:
+        raise LimitError(f"ops_gemv.{fn}", "stream-K workspace",
+                         f"tiles*cmax*16 <= {ws.partial.size} and tiles <= {ws.counters.size}",
+                         f"{tiles}*{cmax}*16, {tiles} tiles", "fewer CTAs (ctas=)")
+    kern = _gemv_kernel(kernel_name, t)
+    kern((grid,), (32 * warps,),
+         act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
+                     np.int32(n), np.int32(k), np.int32(cmax)),
+         shared_mem=smem)
+
+
 # ---- the GEMVs ----------------------------------------------------------------------------
-def gemv_int4(x, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None):
+def gemv_int4(x, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None, impl=None,
+              ctas=None):
     """out[N] = fp16([residual +] W.x [+ bias]); x fp16 [K], qweight uint32 [N, K/8],
     scales fp16 [N, K/128]. residual may be `out` (in place); x may not."""
     n, k = _weights("gemv_int4", qweight, scales)
     _check("gemv_int4", "x", x, np.float16, (k,))
     _no_alias("gemv_int4", "out", out, x, "x")
     _launch_gemv("gemv_int4", "nq_gemv_int4", (x,), 2 * (GROUP + GROUP // 4),
-                 qweight, scales, out, bias, residual, n, k, ksplit, tuning)
+                 qweight, scales, out, bias, residual, n, k, ksplit, tuning, impl, ctas)
 
 
-def gemv_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, ksplit=None, tuning=None):
+def gemv_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, ksplit=None, tuning=None,
+                     impl=None, ctas=None):
     """out[N] = fp16([residual +] W.act); act = fp16(silu(g) * u) from gate_up fp16 [2K]
     (gate then up), K = qweight.shape[1] * 8."""
     n, k = _weights("gemv_int4_swiglu", qweight, scales)
     _check("gemv_int4_swiglu", "gate_up", gate_up, np.float16, (2 * k,))
     _no_alias("gemv_int4_swiglu", "out", out, gate_up, "gate_up")
     _launch_gemv("gemv_int4_swiglu", "nq_gemv_int4_swiglu", (gate_up,), 2 * (GROUP + GROUP // 4),
-                 qweight, scales, out, bias, residual, n, k, ksplit, tuning)
+                 qweight, scales, out, bias, residual, n, k, ksplit, tuning, impl, ctas)
 
 
 def quantize_act_int8(x, xq, xscale, *, tuning=None):
@@ -194,13 +228,14 @@ def quantize_act_int8(x, xq, xscale, *, tuning=None):
                                                  (x, xq, xscale, np.int32(k)))
 
 
-def gemv_int4_dp4a(xq, xscale, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None):
+def gemv_int4_dp4a(xq, xscale, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None,
+                   impl=None, ctas=None):
     """out as gemv_int4, from INT8 activations (quantize_act_int8) and __dp4a."""
     n, k = _weights("gemv_int4_dp4a", qweight, scales)
     _check("gemv_int4_dp4a", "xq", xq, np.int8, (k,))
     _check("gemv_int4_dp4a", "xscale", xscale, np.float32, (k // GROUP,))
     _launch_gemv("gemv_int4_dp4a", "nq_gemv_int4_dp4a", (xq, xscale), GROUP,
-                 qweight, scales, out, bias, residual, n, k, ksplit, tuning)
+                 qweight, scales, out, bias, residual, n, k, ksplit, tuning, impl, ctas)
 
 
 # ---- the small decode kernels -------------------------------------------------------------

@@ -127,7 +127,7 @@ def run_attention(name, ctx, max_splits, seed, buggy=False):
 
 CASES = [(n, c, 64) for n in CONFIGS for c in CONTEXTS] + \
         [("7b", 49, 1), ("7b", 2000, 1), ("7b", 8300, 7), ("7b", 33, 3), ("tiny-hd64", 17, 2),
-         ("tiny-hd64", 8300, 1)]
+         ("tiny-hd64", 8300, 1), ("7b", 8300, 96), ("7b", 2000, 128), ("7b", 20000, 1024)]
 
 
 @gpu

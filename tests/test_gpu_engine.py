@@ -42,17 +42,23 @@ def test_decoder_layer_matches_reference_7b(file_7b, engine_7b, layer):
     perm = rng.permutation(eng.pages)
     eng.prefill(prompt, physical_pages=perm)
     # The next token, run up to the layer under test, then the layer alone.
-    eng._set_scalars(int(rng.integers(0, 151643)), eng.position)
-    eng.embed_step()
-    for l in range(layer):
-        eng.layer_step(l)
+    with eng.stream:
+        eng.write_token(int(rng.integers(0, 151643)))
+        eng.begin_step(new_page=eng.position % 16 == 0)
+        eng.embed_step()
+        for l in range(layer):
+            eng.layer_step(l)
+    eng.stream.synchronize()
     x_in = eng.arena["a.x"].copy()
     k_past, v_past = eng.cached_kv(layer, eng.position)
     eng.arena["a.x"][...] = x_in
     eng.arena["a.qkv"].fill(cp.nan)                             # poison the layer's buffers
     eng.arena["a.attn"].fill(cp.nan)
     eng.arena["a.gate_up"].fill(cp.nan)
-    eng.layer_step(layer)
+    cp.cuda.Device().synchronize()                              # default-stream writes done
+    with eng.stream:
+        eng.layer_step(layer)
+    eng.stream.synchronize()
     got = eng.arena["a.x"].astype(cp.float32)
     k_new, v_new = [t[-1] for t in eng.cached_kv(layer, eng.position + 1)]
     w = ref.load_layer_weights(file_7b.model_tensors(), layer, xp=cp)
@@ -108,3 +114,25 @@ def test_greedy_tokens_match_reference_tiny_pipeline():
     same, total, ties = _greedy_match(f, prompts, 32)
     print(f"tiny: {same}/{total} identical, near-tie divergences {ties}")
     assert same + ties * 32 >= 0.995 * total and same >= 0.9 * total
+
+
+@pytest.mark.parametrize("prompt_len", [15, 16, 17])
+def test_graph_replay_identical_to_eager(file_7b, prompt_len):
+    """Prompts that end just before, on and just after a page boundary; 130 new tokens,
+    so both graph variants (mid-page, new page) are replayed many times."""
+    from nanoqwen_lib.engine import GpuBackend
+    from nanoqwen_lib.generate import generate_ids
+    rng = np.random.default_rng(prompt_len)
+    prompt = _prompt(rng, prompt_len)
+    perm = rng.permutation(-(-600 // 16))
+    runs = {}
+    for graphs in (False, True):
+        eng = GpuBackend(file_7b, max_tokens=600, graphs=graphs)
+        first = eng.prefill(prompt, physical_pages=perm)
+        ids = [first]
+        for _ in range(129):
+            ids.append(eng.decode(ids[-1]))
+        assert (eng.graphs is not None) == graphs
+        runs[graphs] = ids
+        del eng
+    assert runs[True] == runs[False]

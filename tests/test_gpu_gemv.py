@@ -87,7 +87,7 @@ def check_close(name, got, ref, absdot, acc, extra=0.0, rtol=U16):
     return float(np.max(err / bound)) if err.size else 0.0
 
 
-def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plain"):
+def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plain", impl=None, ctas=None):
     words, scales = rand_int4(rng, n, k)
     b = rng.standard_normal(n).astype(np.float16) if bias else None
     res = rng.standard_normal(n).astype(np.float16) if residual else None
@@ -105,54 +105,68 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
         x64 = act.astype(np.float64)
         ops_gemv.gemv_int4_swiglu(dev(gu), dev(words), dev(scales), out,
                                   residual=None if res is None else dev(res), bias=None if b is None else dev(b),
-                                  ksplit=ksplit, tuning=tuning)
+                                  ksplit=ksplit, tuning=tuning, impl=impl, ctas=ctas)
         extra = ref_matvec(words, scales, alt)[1] if alt.any() else 0.0
     else:
         x = rng.standard_normal(k).astype(np.float16)
         x64 = x.astype(np.float64)
         ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), out, bias=None if b is None else dev(b),
-                           residual=None if res is None else dev(res), ksplit=ksplit, tuning=tuning)
+                           residual=None if res is None else dev(res), ksplit=ksplit, tuning=tuning,
+                           impl=impl, ctas=ctas)
     dot, absdot = ref_matvec(words, scales, x64)
     ref = dot + (0 if b is None else b.astype(np.float64))
     ref = ref + (0 if res is None else res.astype(np.float64))
-    return check_close(f"{launcher} N={n} K={k} ksplit={ksplit}", out.get(), ref, absdot, 2.0 ** -18, extra)
+    return check_close(f"{launcher} {impl} N={n} K={k} ksplit={ksplit} ctas={ctas}", out.get(), ref, absdot,
+                       2.0 ** -18, extra)
 
 
+IMPLS = ["tiles", "stream"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", list(SHAPES_7B))
-def test_gemv_int4_7b(rng, shape):
+def test_gemv_int4_7b(rng, shape, impl):
     n, k = SHAPES_7B[shape]
-    run_gemv(rng, n, k, bias=shape == "qkv", residual=shape in ("o_proj", "down"))
+    run_gemv(rng, n, k, bias=shape == "qkv", residual=shape in ("o_proj", "down"), impl=impl)
 
 
+# tiles: split-K off, automatic, one group per slice; stream: automatic grid, one CTA (every
+# warp streams several tiles), 7 CTAs (many warps share each tile, some own nothing).
 @pytest.mark.parametrize("n,k", ODD)
-@pytest.mark.parametrize("ksplit", [None, 1, "max"])
-def test_gemv_int4_odd(rng, n, k, ksplit):
+@pytest.mark.parametrize("impl,ksplit,ctas", [("tiles", None, None), ("tiles", 1, None), ("tiles", "max", None),
+                                              ("stream", None, None), ("stream", None, 1), ("stream", None, 7)])
+def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
     s = k // 128 if ksplit == "max" else ksplit
-    run_gemv(rng, n, k, bias=(n + k) % 2 == 0, residual=n % 2 == 1, ksplit=s)
+    run_gemv(rng, n, k, bias=(n + k) % 2 == 0, residual=n % 2 == 1, ksplit=s, impl=impl, ctas=ctas)
 
 
-@pytest.mark.parametrize("tuning", [{"NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2},
-                                    {"NQ_GEMV_WARPS": 8}, {"NQ_GEMV_WARPS": 2}, {"NQ_GEMV_BRANCHLESS": 0}])
+@pytest.mark.parametrize("impl,tuning", [("tiles", {"NQ_GEMV_UNROLL": 2}),
+                                         ("tiles", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
+                                         ("tiles", {"NQ_GEMV_WARPS": 8}), ("tiles", {"NQ_GEMV_WARPS": 2}),
+                                         ("tiles", {"NQ_GEMV_BRANCHLESS": 0}),
+                                         ("stream", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}),
+                                         ("stream", {"NQ_GEMV_STREAM_RING": 8})])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 3584, None), (130, 1152, 3), (1000, 18944, None)])
-def test_gemv_int4_tuning_variants(rng, tuning, n, k, ksplit):
-    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning={**ops_gemv.GEMV_TUNING, **tuning})
+def test_gemv_int4_tuning_variants(rng, impl, tuning, n, k, ksplit):
+    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning=tuning, impl=impl)
 
 
-@pytest.mark.parametrize("ksplit", [None, 1])
-def test_gemv_int4_residual_in_place(rng, ksplit):
+@pytest.mark.parametrize("impl,ksplit", [("tiles", None), ("tiles", 1), ("stream", None)])
+def test_gemv_int4_residual_in_place(rng, impl, ksplit):
     n = k = 3584
     words, scales = rand_int4(rng, n, k)
     x = rng.standard_normal(k).astype(np.float16)
     res = rng.standard_normal(n).astype(np.float16)
     io = dev(res)
-    ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), io, residual=io, ksplit=ksplit)
+    ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), io, residual=io, ksplit=ksplit, impl=impl)
     dot, absdot = ref_matvec(words, scales, x.astype(np.float64))
     check_close("in-place residual", io.get(), dot + res.astype(np.float64), absdot, 2.0 ** -18)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, None), (130, 384, 1), (7, 1152, 3), (1000, 1152, None)])
-def test_gemv_int4_swiglu(rng, n, k, ksplit):
-    run_gemv(rng, n, k, bias=False, residual=True, ksplit=ksplit, launcher="swiglu")
+def test_gemv_int4_swiglu(rng, n, k, ksplit, impl):
+    run_gemv(rng, n, k, bias=False, residual=True, ksplit=ksplit, launcher="swiglu", impl=impl)
 
 
 def test_launcher_refuses_bad_buffers():
@@ -179,8 +193,9 @@ def ref_quantize(x):
 DP4A_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])   # stored byte j of each run of 8 holds q[order[j]]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n,k", [SHAPES_7B[s] for s in SHAPES_7B] + [(7, 128), (130, 384), (1000, 1152)])
-def test_gemv_int4_dp4a(rng, n, k):
+def test_gemv_int4_dp4a(rng, n, k, impl):
     words, scales = rand_int4(rng, n, k)
     x = rng.standard_normal(k).astype(np.float16)
     x[:128] = 0 if k > 128 else x[:128]                  # an all-zero group: scale 0
@@ -192,7 +207,7 @@ def test_gemv_int4_dp4a(rng, n, k):
     np.testing.assert_array_equal(xs.get(), s_ref)
     np.testing.assert_array_equal(xq.get().reshape(-1, 8), q_ref.reshape(-1, 8)[:, DP4A_ORDER])
     out = poisoned(n)
-    ops_gemv.gemv_int4_dp4a(xq, xs, dev(words), dev(scales), out, bias=dev(b), residual=dev(res))
+    ops_gemv.gemv_int4_dp4a(xq, xs, dev(words), dev(scales), out, bias=dev(b), residual=dev(res), impl=impl)
     xdq = (q_ref.astype(np.float64).reshape(-1, 128) * s_ref.astype(np.float64)[:, None]).reshape(-1)
     dot, absdot = ref_matvec(words, scales, xdq)        # its own exact reference: int8 activations
     ref = res.astype(np.float64) + (dot + b.astype(np.float64))

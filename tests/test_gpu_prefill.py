@@ -215,7 +215,9 @@ def test_prefill_rope_write_kv(rng, dims_name, t, start):
     q = q32[:, :qd].reshape(t, dims.num_heads, dims.head_dim)
     k = q32[:, qd:qd + kd].reshape(t, dims.num_kv_heads, dims.head_dim)
     v = qkv[:, qd + kd:].reshape(t, dims.num_kv_heads, dims.head_dim)
-    cos, sin = ref.rope_tables(cp.arange(start, ctx), dims.head_dim, dims.rope_theta, cp)
+    # Tables on the host (NumPy), as the reference model computes them: inv_freq then has the
+    # bits of the kernel's table (ops_attention.rope_inv_freq), and the angles agree exactly.
+    cos, sin = (cp.asarray(a) for a in ref.rope_tables(np.arange(start, ctx), dims.head_dim, dims.rope_theta))
 
     def bound(x, r):
         half = dims.head_dim // 2

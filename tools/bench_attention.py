@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time paged attention (split kernel + combine) on the 7B heads, one decode token.
 
-    python3 tools/bench_attention.py [--contexts 512,2000,8192,32768] [--splits 16,32,64,128]
+    python3 tools/bench_attention.py [--contexts 512,2000,8192,32768] [--splits 16,32,64,96,128]
 
 Napkin math: a context of T tokens reads K and V once, T x 4 KV heads x 128 x 2 B x 2 =
 2 KiB per token (64 MiB at 32768), so at the read ceiling (~4.5 TB/s here, re-measured in
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="7b")
     ap.add_argument("--contexts", default="512,2000,8192,32768")
-    ap.add_argument("--splits", default="16,32,64,128")
+    ap.add_argument("--splits", default="16,32,64,96,128")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp

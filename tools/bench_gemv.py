@@ -27,6 +27,10 @@ SHAPES = {"qkv": (DIMS.qkv_dim, DIMS.hidden), "o_proj": (DIMS.hidden, DIMS.q_dim
           "gate_up": (2 * DIMS.intermediate, DIMS.hidden), "down": (DIMS.hidden, DIMS.intermediate)}
 EPILOGUE = {"qkv": "bias", "o_proj": "residual", "gate_up": None, "down": "residual"}
 ROWS = []
+STREAM_VARIANTS = (("16w x1", {}, 1), ("16w x1 ring8", {"NQ_GEMV_STREAM_RING": 8}, 1),
+                   ("8w x2", {"NQ_GEMV_STREAM_WARPS": 8}, 2),
+                   ("8w x2 ring8", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}, 2),
+                   ("8w x3", {"NQ_GEMV_STREAM_WARPS": 8}, 3))
 VARIANTS = (("v1 guarded", {"NQ_GEMV_BRANCHLESS": 0}), ("U2", {"NQ_GEMV_UNROLL": 2}),
             ("W2", {"NQ_GEMV_WARPS": 2}), ("W8", {"NQ_GEMV_WARPS": 8}),
             ("W8 U2", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}), ("MT2 U2", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}))
@@ -90,11 +94,17 @@ def bench_shape(name, n, k, ceiling, l2, quick):
         tuning = {**ops_gemv.GEMV_TUNING, **tv}
         s_auto = ops_gemv.plan_split(n, k, tuning)
         run(f"prmt-mma {label}", lambda q, s, t=tuning: ops_gemv.gemv_int4(x, q, s, out, tuning=t, **kw), ksplit=s_auto)
+    for label, tv, cps in STREAM_VARIANTS:
+        tuning = {**ops_gemv.GEMV_TUNING, **tv}
+        g = cps * ops_gemv.num_sms()
+        run(f"stream {label}", lambda q, s, t=tuning, g=g: ops_gemv.gemv_int4(x, q, s, out, tuning=t, impl="stream",
+                                                                            ctas=g, **kw))
     xq, xs = cp.zeros(k, cp.int8), cp.zeros(k // 128, cp.float32)
     ops_gemv.quantize_act_int8(x, xq, xs)
     run("dp4a (gemv only)", lambda q, s: ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, **kw), ksplit=auto)
     run("dp4a (+quantize)", lambda q, s: (ops_gemv.quantize_act_int8(x, xq, xs),
                                           ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, **kw)), ksplit=auto)
+    run("dp4a stream (gemv only)", lambda q, s: ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, impl="stream", **kw))
     if name == "down":
         nb = wbytes + 2 * k * 2 + n * 4
         run("swiglu", lambda q, s: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out), nb, ksplit=auto)
@@ -102,6 +112,11 @@ def bench_shape(name, n, k, ceiling, l2, quick):
             if s_ != auto:
                 run(f"swiglu ks={s_}", lambda q, s, s_=s_: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
                                                                                    ksplit=s_), nb, ksplit=s_)
+        for label, tv, cps in STREAM_VARIANTS:
+            tuning = {**ops_gemv.GEMV_TUNING, **tv}
+            g = cps * ops_gemv.num_sms()
+            run(f"swiglu stream {label}", lambda q, s, t=tuning, g=g: ops_gemv.gemv_int4_swiglu(
+                gate_up, q, s, out, residual=out, tuning=t, impl="stream", ctas=g), nb)
         for label, tv in VARIANTS:
             tuning = {**ops_gemv.GEMV_TUNING, **tv}
             run(f"swiglu {label}", lambda q, s, t=tuning: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
@@ -110,7 +125,7 @@ def bench_shape(name, n, k, ceiling, l2, quick):
     del copies
 
 
-def bench_layer_chain(ceiling, l2, quick):
+def bench_layer_chain(ceiling, l2, quick, impl):
     """One layer's four GEMVs back to back (qkv+bias, o+residual, gate_up, SwiGLU down+residual),
     default variants, replayed from one graph over enough layer copies to defeat the L2."""
     h, i, qkv = DIMS.hidden, DIMS.intermediate, DIMS.qkv_dim
@@ -130,13 +145,13 @@ def bench_layer_chain(ceiling, l2, quick):
     def layer():
         (wq, sq), (wo, so), (wg, sg), (wd, sd) = layers[state["l"] % len(layers)]
         state["l"] += 1
-        ops_gemv.gemv_int4(y, wq, sq, a_qkv, bias=bias)
-        ops_gemv.gemv_int4(attn, wo, so, xres, residual=xres)
-        ops_gemv.gemv_int4(y, wg, sg, gu)
-        ops_gemv.gemv_int4_swiglu(gu, wd, sd, xres, residual=xres)
+        ops_gemv.gemv_int4(y, wq, sq, a_qkv, bias=bias, impl=impl)
+        ops_gemv.gemv_int4(attn, wo, so, xres, residual=xres, impl=impl)
+        ops_gemv.gemv_int4(y, wg, sg, gu, impl=impl)
+        ops_gemv.gemv_int4_swiglu(gu, wd, sd, xres, residual=xres, impl=impl)
     nb = per_layer + 2 * (h * 2 + qkv * 2 * 2 + h * 2 * 2 + 2 * i * 2 * 2)
     t = timing.time_cuda(layer, warmup=3, iters=10 if quick else 20, inner=len(layers) * 2, graph=True)
-    record("layer", "4 GEMVs in one graph", t, nb, ceiling)
+    record("layer", f"4 GEMVs in one graph, {impl}", t, nb, ceiling)
     del layers
 
 
@@ -192,7 +207,8 @@ def main():
           f"{ceil['median'] * 1e3:.0f} us)")
     for name, (n, k) in SHAPES.items():
         bench_shape(name, n, k, ceiling, l2, args.quick)
-    bench_layer_chain(ceiling, l2, args.quick)
+    for impl in ("tiles", "stream"):
+        bench_layer_chain(ceiling, l2, args.quick, impl)
     bench_lm_head(ceiling, args.quick)
     bench_small(ceiling)
     ceiling_again = timing.read_ceiling_tbps()
@@ -209,9 +225,9 @@ def main():
             best[r["shape"]] = min(best.get(r["shape"], 1e9), r["us"])
     lm = min(r["us"] for r in ROWS if r["shape"] == "lm_head" and r["variant"].startswith("ffma"))
     per_token = DIMS.num_layers * sum(best.values()) + lm
-    chain = next(r["us"] for r in ROWS if r["shape"] == "layer")
+    chain = min(r["us"] for r in ROWS if r["shape"] == "layer")
     print(f"ceiling {ceiling:.3f} TB/s (again at the end: {ceiling_again:.3f}); best GEMVs x {DIMS.num_layers} layers "
-          f"+ lm_head = {per_token / 1e3:.3f} ms/token; default layer chain x {DIMS.num_layers} + lm_head = "
+          f"+ lm_head = {per_token / 1e3:.3f} ms/token; best layer chain x {DIMS.num_layers} + lm_head = "
           f"{(DIMS.num_layers * chain + lm) / 1e3:.3f} ms/token (floor {4.45e9 / (ceiling * 1e12) * 1e3:.3f} ms)")
 
 

@@ -1,0 +1,186 @@
+"""Time the prefill kernels at the 7B shapes (needs a GPU): python tools/bench_prefill.py [--tokens 512].
+
+For each INT4 GEMM of a layer (qkv + bias, o_proj + residual, gate_up, down with the SwiGLU
+input fused or as a separate pass) at both token tiles (BM 64 / 128), the RoPE + KV write
+and the attention: median of --reps launches, each timed by its own pair of CUDA events
+after --warmup launches; random inputs (speed does not depend on weight values: synthetic
+weights are faithful). Rates against the H200 ceilings of shared/device/README.md: ~790
+TFLOP/s dense fp16 and 4.5 TB/s read; bytes are the fewest the op must move (each input
+read once, each output written once). Where torch is present, its fp16 matmul (cuBLAS,
+dense fp16 weights) on the same shape is the peer. The per-layer sum times 28 layers
+estimates the prefill's share of TTFT (rmsnorms, embedding and the final lm_head GEMV are
+not in it: ~0.3 ms together at T = 512).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nanoqwen_lib import config, kvcache, ops_prefill  # noqa: E402
+
+PEAK_TFLOPS = 790.0
+READ_TBPS = 4.5
+
+
+def median_us(fn, warmup: int, reps: int) -> float:
+    import cupy as cp
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
+    return float(np.median(times))
+
+
+def rand16(rng, shape, scale=1.0):
+    import cupy as cp
+    return cp.asarray((scale * rng.standard_normal(shape)).astype(np.float16))
+
+
+def rand_int4(rng, n, k):
+    import cupy as cp
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
+    return cp.asarray(words), cp.asarray(scales)
+
+
+def gemm_row(name, us, t, n, k, extra_bytes=0):
+    flops = 2.0 * t * n * k
+    nbytes = t * k * 2 + n * k // 2 + n * (k // 128) * 2 + t * n * 2 + extra_bytes
+    return {"op": name, "us": us, "tflops": flops / us / 1e6, "pct_peak": 100 * flops / us / 1e6 / PEAK_TFLOPS,
+            "gbs": nbytes / us / 1e3, "pct_bw": 100 * nbytes / us / 1e6 / READ_TBPS}
+
+
+def torch_peer(t, n, k, warmup, reps):
+    """cuBLAS fp16 X W^T with dense fp16 weights (torch), or None without torch+CUDA."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    x = torch.randn(t, k, dtype=torch.float16, device="cuda")
+    w = torch.randn(n, k, dtype=torch.float16, device="cuda")
+    y = torch.empty(t, n, dtype=torch.float16, device="cuda")
+
+    def run():
+        torch.matmul(x, w.t(), out=y)
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return float(np.median(times))
+
+
+def bench_gemms(dims, t, rng, warmup, reps):
+    import cupy as cp
+    h, inter = dims.hidden, dims.intermediate
+    shapes = {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * inter, h),
+              "down": (h, inter)}
+    rows, best = [], {}
+    for proj, (n, k) in shapes.items():
+        words, scales = rand_int4(rng, n, k)
+        out = rand16(rng, (t, n))
+        x = rand16(rng, (t, k))
+        bias = rand16(rng, (n,)) if proj == "qkv" else None
+        res = out if proj in ("o_proj", "down") else None
+        cands = {}
+        for bm in ops_prefill.GEMM_BM_CHOICES:
+            us = median_us(lambda: ops_prefill.gemm_int4(x, words, scales, out, bias=bias, residual=res, bm=bm),
+                           warmup, reps)
+            cands[f"{proj} bm{bm}"] = us
+            rows.append(gemm_row(f"{proj} bm{bm}", us, t, n, k))
+        if proj == "down":
+            gate_up = rand16(rng, (t, 2 * k), 2.0)
+            act = cp.empty((t, k), cp.float16)
+            for bm in ops_prefill.GEMM_BM_CHOICES:
+                us = median_us(lambda: ops_prefill.gemm_int4_swiglu(gate_up, words, scales, out, residual=out, bm=bm),
+                               warmup, reps)
+                cands[f"down swiglu-fused bm{bm}"] = us
+                rows.append(gemm_row(f"down swiglu-fused bm{bm}", us, t, n, k, t * k * 2))
+            us_act = median_us(lambda: ops_prefill.swiglu_act(gate_up, act), warmup, reps)
+            rows.append({"op": "swiglu_act", "us": us_act, "tflops": 0.0, "pct_peak": 0.0,
+                         "gbs": t * k * 6 / us_act / 1e3, "pct_bw": 100 * t * k * 6 / us_act / 1e6 / READ_TBPS})
+            bm_plain = min(ops_prefill.GEMM_BM_CHOICES, key=lambda b: cands[f"down bm{b}"])
+            cands[f"down act+gemm bm{bm_plain}"] = us_act + cands[f"down bm{bm_plain}"]
+            for key in [c for c in cands if c.startswith("down bm")]:
+                cands.pop(key)          # the layer needs the SwiGLU input: fused, or act + gemm
+        planned = ops_prefill.plan_bm(t, n)
+        peer = torch_peer(t, n, k, warmup, reps)
+        if peer:
+            rows.append(gemm_row(f"{proj} torch fp16 (peer)", peer, t, n, k) | {"peer": True})
+        choice = min(cands, key=cands.get)
+        best[proj] = (choice, cands[choice], planned)
+    return rows, best
+
+
+def bench_attention(dims, t, rng, warmup, reps):
+    import cupy as cp
+    pages = kvcache.pages_for(t)
+    pool = cp.zeros((2, pages, dims.num_kv_heads, kvcache.PAGE_TOKENS, dims.head_dim), cp.float16)
+    bt = cp.asarray(rng.permutation(pages).astype(np.int32))
+    qkv = rand16(rng, (t, dims.qkv_dim))
+    q = cp.empty((t, dims.num_heads, dims.head_dim), cp.float16)
+    out = cp.empty((t, dims.q_dim), cp.float16)
+    us_rope = median_us(lambda: ops_prefill.prefill_rope_write_kv(qkv, pool[0], pool[1], bt, q, dims),
+                        warmup, reps)
+    us_attn = median_us(lambda: ops_prefill.prefill_attention(q, pool[0], pool[1], bt, out, dims), warmup, reps)
+    rope_bytes = t * dims.qkv_dim * 2 * 2
+    attn_flops = 4.0 * dims.num_heads * dims.head_dim * t * (t + 1) / 2          # causal QK^T and PV
+    attn_bytes = t * dims.q_dim * 2 * 2 + t * dims.kv_dim * 2 * 2
+    return [{"op": "rope_write_kv", "us": us_rope, "tflops": 0.0, "pct_peak": 0.0,
+             "gbs": rope_bytes / us_rope / 1e3, "pct_bw": 100 * rope_bytes / us_rope / 1e6 / READ_TBPS},
+            {"op": "attention", "us": us_attn, "tflops": attn_flops / us_attn / 1e6,
+             "pct_peak": 100 * attn_flops / us_attn / 1e6 / PEAK_TFLOPS,
+             "gbs": attn_bytes / us_attn / 1e3, "pct_bw": 100 * attn_bytes / us_attn / 1e6 / READ_TBPS}], \
+        us_rope + us_attn
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=config.load().benchmark.prompt_tokens)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    import cupy as cp
+    dims = config.load().model("7b")
+    rng = np.random.default_rng(0)
+    t = args.tokens
+    rows, best = bench_gemms(dims, t, rng, args.warmup, args.reps)
+    attn_rows, us_attn = bench_attention(dims, t, rng, args.warmup, args.reps)
+    rows += attn_rows
+    layer_us = sum(us for _, us, _ in best.values()) + us_attn
+    print(f"\nprefill kernels, 7B, T={t}, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
+          f"median of {args.reps} (CUDA events); ceilings {PEAK_TFLOPS:.0f} TFLOP/s, {READ_TBPS} TB/s")
+    print(f"{'op':28s} {'us':>9s} {'TFLOP/s':>8s} {'%peak':>6s} {'GB/s':>7s} {'%bw':>5s}")
+    for r in rows:
+        print(f"{r['op']:28s} {r['us']:9.1f} {r['tflops']:8.1f} {r['pct_peak']:6.1f} {r['gbs']:7.0f} {r['pct_bw']:5.1f}")
+    for proj, (choice, us, planned) in best.items():
+        print(f"layer uses {proj:8s}: {choice:26s} {us:8.1f} us   (plan_bm picks bm{planned})")
+    print(f"per layer {layer_us:.1f} us; x {dims.num_layers} layers = {layer_us * dims.num_layers / 1e3:.2f} ms "
+          f"(prefill GEMMs + attention; TTFT estimate without norms / embedding / lm_head)")
+    if args.json:
+        args.json.write_text(json.dumps({"tokens": t, "rows": rows, "best": best, "layer_us": layer_us,
+                                         "ttft_ms": layer_us * dims.num_layers / 1e3}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
