@@ -40,7 +40,12 @@
 // before their loads. In practice the consumers, already released by the early arrive,
 // read the tail stage while the producer's loads are still in flight (stale rows), and the
 // producer warp sits in bar.sync until the consumer warps have exited. Length 49 (3 full
-// pages + 1 token) shows it; multiples of 16 never take the path.
+// pages + 1 token) shows it; multiples of 16 never take the path. Seen on an H200
+// (tools/sanitize_attention.py): wrong in 16 of 16 fresh runs when the tail page is alone
+// in its CTA (64 splits; max error 0.83), right in 16 of 16 with 1 or 2 splits, where the
+// consumers reach the tail late enough that the stores have landed (the race hides); no
+// hang. compute-sanitizer racecheck reports it (2 errors, 1024 hazards each: consumer
+// reads vs the producer's tail stores); synccheck reports nothing on sm_90.
 #include "common.cuh"
 
 #ifndef NQ_HEAD_DIM

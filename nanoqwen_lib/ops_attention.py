@@ -24,9 +24,10 @@ from .config import ModelDims, load
 
 ALIGN = load().format.alignment
 ATTN_THREADS = 32 * (1 + 4)      # kernels/paged_attention.cu THREADS: producer warp + 4 consumer warps
-# Grid = kv_heads x max_splits. The split kernel takes 120 registers x 160 threads, so 3 CTAs
-# fit an SM: 4 x 96 = 384 CTAs is one wave on the H200's 132 SMs (396 slots).
-DEFAULT_MAX_SPLITS = 96
+# Grid = kv_heads x max_splits: 4 x 64 = 256 CTAs on the 7B, ~2 per SM of the H200's 132.
+# Measured best or within 3% of it at 512, 8192 and 32768 tokens (PERFLOG.md, "paged
+# attention"); 96 (3 CTAs per SM, one wave) was no faster, 128 slower (a second wave).
+DEFAULT_MAX_SPLITS = 64
 MAX_SPLITS_COMBINE = 1024        # kernels/paged_attention.cu: the combine stages <= 1024 splits
 
 

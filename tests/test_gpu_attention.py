@@ -8,7 +8,9 @@
   head_dim 64 (14/2), several grid sizes (the ring wraps many times with max_splits = 1).
 * NQ_ATTN_BUGGY_SYNC=1: right without a tail page (48), wrong on the tail page (49), run in
   a subprocess with a timeout in case it hangs; compute-sanitizer flags it and finds the
-  fixed kernel clean (memcheck, racecheck, synccheck) when it is on PATH.
+  fixed kernel clean (memcheck, racecheck, synccheck) when it is on PATH. Seen on an H200:
+  wrong in every run with 64 splits, in none with 1 split (the race hides); no hang;
+  racecheck flags it, synccheck does not (sm_90).
 The first three tests check the test's own helpers on the CPU.
 """
 from __future__ import annotations
