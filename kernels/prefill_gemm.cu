@@ -3,7 +3,9 @@
 //   nq_prefill_gemm_swiglu  same, X = act = fp16(silu(g) * u) formed per tile from gate_up fp16 [T, 2K]
 //   nq_swiglu_act           act fp16 [T, I] = fp16(silu(g) * u) from gate_up [T, 2I] (the unfused
 //                           alternative: one elementwise pass, then nq_prefill_gemm)
-// nq-variants: NQ_PG_BM=64; NQ_PG_STAGES=3; NQ_PG_BM=64, NQ_PG_STAGES=3
+// Compile-time variants: NQ_PG_BM (token tile 64 / 128), NQ_PG_WARPS_M (8 warps as 2 x 4 or
+// 4 x 2), NQ_PG_STAGES (ring depth). Split-K is a launch parameter (gridDim.z).
+// nq-variants: NQ_PG_BM=64; NQ_PG_WARPS_M=4; NQ_PG_BM=64, NQ_PG_WARPS_M=4; NQ_PG_STAGES=3
 //
 // Shapes (runtime): X [T, K] row-major, any T >= 1; qweight uint32 [N, K/8] (ValueShuffle:
 // nibble slot i, LSB first, holds w[[0,2,4,6,1,3,5,7][i]] of 8 consecutive k); scales fp16
@@ -15,10 +17,14 @@
 // m16n8k16 (f16 in, f32 accumulate) is plain sm_80+ PTX and runs on Hopper's tensor cores
 // at a lower rate. Moving to wgmma is a later chapter's step.
 //
-// Tiling. A CTA computes a BM x 128 tile of Y (BM tokens = NQ_PG_BM, 64 or 128) over
-// k-tiles of 64, in a ring of NQ_PG_STAGES shared-memory stages filled by cp.async
-// (16-byte cg for X and W; 4-byte ca for the scales). 8 warps as 2 (M) x 4 (N): a warp owns
-// BM/2 x 32 of the tile, i.e. BM/32 m16 tiles x 4 n8 tiles of accumulators.
+// Tiling. A CTA computes a BM x 128 tile of Y (BM tokens) over k-tiles of 64, in a ring of
+// NQ_PG_STAGES shared-memory stages filled by cp.async (16-byte cg for X and W; 4-byte ca
+// for the scales). 8 warps as WARPS_M x WARPS_N: a warp owns WM = BM/WARPS_M tokens x
+// WN = 128/WARPS_N features, i.e. MT = WM/16 m16 tiles x NT = WN/8 n8 tiles. Per HMMA a warp
+// reads 4096/WN bytes of X from shared memory and spends 6.5/MT instructions dequantizing.
+// Split-K (gridDim.z = S > 1): slice z takes k-tiles [z KT/S, (z+1) KT/S); each slice stores
+// its FP32 tile to a workspace, and the CTA that arrives last at the tile's counter adds the
+// slices in slice order (deterministic), runs the epilogue and resets the counter to 0.
 //
 // The k permutation (the trick that lets whole-word unpacks feed the tensor cores).
 // mma computes sum_j A[row][j] B[j][col] over 16 slots j; the k behind slot j is ours to
@@ -38,12 +44,14 @@
 // code * scale of the numerics contract. Products and sums are FP32 from there on.
 //
 // Shared-memory banks: X rows are padded to 72 halves (144 B), so the 8 lanes of a
-// quarter-warp (rows g, g+1, chunks 2t+h) hit 8 distinct 16-byte bank groups. W rows are
-// 32 contiguous bytes and a lane reads its 8 bytes (words 2t, 2t+1): the warp reads 256
-// contiguous bytes, conflict-free.
+// quarter-warp (rows g, g+1, chunks 2t+h) hit 8 distinct 16-byte bank groups. A W row is
+// two 16-byte chunks (words 0-3, 4-7); rows r with bit 2 set store them swapped, so the
+// word 2t+h of rows g and g+4 (8 words apart, same bank otherwise) land in different banks.
 //
 // What it degrades to: rows of X beyond T and rows of W beyond N are zero-filled by
-// cp.async (src-size 0) and never stored; odd N stores element by element.
+// cp.async (src-size 0) and never stored; odd N stores element by element. The scale word
+// of an odd-sized scales tensor's last element reaches 2 bytes past its end (inside the
+// 128-byte-aligned allocation; the value is not used).
 #include "common.cuh"
 
 #ifndef NQ_PG_BM
@@ -52,10 +60,14 @@
 #ifndef NQ_PG_STAGES
 #define NQ_PG_STAGES 4      // shared-memory ring depth
 #endif
+#ifndef NQ_PG_WARPS_M
+#define NQ_PG_WARPS_M 2     // warps along the tokens (the other 8 / WARPS_M along the features)
+#endif
 
 static_assert(NQ_GROUP_SIZE == 128, "a k-tile of 64 lies inside one scale group");
 static_assert(NQ_PG_BM == 64 || NQ_PG_BM == 128, "BM is 64 or 128 tokens");
 static_assert(NQ_PG_STAGES >= 2 && NQ_PG_STAGES <= 6, "2..6 stages");
+static_assert(NQ_PG_WARPS_M == 2 || NQ_PG_WARPS_M == 4, "8 warps as 2 x 4 or 4 x 2");
 
 namespace pg {
 
@@ -64,10 +76,12 @@ constexpr int BN = 128;
 constexpr int BK = 64;
 constexpr int STAGES = NQ_PG_STAGES;
 constexpr int THREADS = 256;
-constexpr int WARPS_N = 4;
-constexpr int WM = BM / 2;               // warp tile rows (tokens)
-constexpr int MT = WM / 16;              // m16 tiles per warp: 2 or 4
-constexpr int NT = 4;                    // n8 tiles per warp (32 output features)
+constexpr int WARPS_M = NQ_PG_WARPS_M;
+constexpr int WARPS_N = 8 / WARPS_M;
+constexpr int WM = BM / WARPS_M;         // warp tile rows (tokens)
+constexpr int WN = BN / WARPS_N;         // warp tile columns (features): 32 or 64
+constexpr int MT = WM / 16;              // m16 tiles per warp: 1, 2 or 4
+constexpr int NT = WN / 8;               // n8 tiles per warp: 4 or 8
 constexpr int XS = BK + 8;               // padded X row, halves (144 bytes)
 constexpr int WWORDS = BK / 8;           // packed words per W row per k-tile (8)
 constexpr int X_CHUNKS = BM * BK / 8;    // 16-byte chunks of an X tile
@@ -209,7 +223,7 @@ __device__ __forceinline__ Loader make_loader(const Problem& p, int m0, int n0) 
   L.w = (uint32_t)min(n0 + wr, p.N - 1) * (p.K / 8) + (tid & 1) * 4;
   L.s = (uint32_t)min(n0 + tid, p.N - 1) * (p.K / NQ_GROUP_SIZE);
   L.x_dst = (xr * XS + xc) * 2;
-  L.w_dst = W_OFF + (wr * WWORDS + (tid & 1) * 4) * 4;
+  L.w_dst = W_OFF + (wr * WWORDS + (((tid & 1) ^ ((wr >> 2) & 1)) * 4)) * 4;   // chunk swap for rows with bit 2
   L.s_dst = S_OFF + tid * 4;
   return L;
 }
@@ -252,31 +266,58 @@ __device__ __forceinline__ void act_in_place(uint32_t st, uint32_t u_sm, uint32_
 }
 
 // ---- consumer side: one k-tile of MMAs ---------------------------------------------------
+// Lane (g, t): weight rows warp_n*WN + 8j + g, token rows warp_m*WM + 16i + g (+8).
+// The word 2t+h of a W row sits in chunk t/2, swapped for rows with bit 2 set (g >= 4).
+__device__ __forceinline__ uint32_t w_word_addr(uint32_t st_addr, int warp_n, int g, int t, int j, int h) {
+  const int row = warp_n * WN + j * 8 + g;
+  const int chunk = (t >> 1) ^ ((g >> 2) & 1);
+  return st_addr + W_OFF + (row * WWORDS + chunk * 4 + ((2 * t + h) & 3)) * 4;
+}
+
 __device__ __forceinline__ void mma_tile(const Problem& p, uint32_t st_addr, float (&acc)[MT][NT][4],
                                          int n0, int kt, int warp_m, int warp_n, int g, int t) {
   const int grp = (kt * BK) / NQ_GROUP_SIZE, G = p.K / NQ_GROUP_SIZE;
-  const uint32_t w_addr = st_addr + W_OFF + ((warp_n * 32 + g) * WWORDS + 2 * t) * 4;
-  const uint32_t s_addr = st_addr + S_OFF + (warp_n * 32 + g) * 4;
+  const uint32_t s_addr = st_addr + S_OFF + (warp_n * WN + g) * 4;
   const uint32_t x_addr = st_addr + ((warp_m * WM + g) * XS + 16 * t) * 2;
   uint32_t s2[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    const bool odd = (((n0 + warp_n * 32 + j * 8 + g) * G + grp) & 1) != 0;   // which half is the scale
+    const bool odd = (((n0 + warp_n * WN + j * 8 + g) * G + grp) & 1) != 0;   // which half is the scale
     s2[j] = prmt(lds32(s_addr + j * 8 * 4), 0u, odd ? 0x3232u : 0x1010u);      // (s, s)
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    uint32_t b[NT][4];                                       // pairs (k0+2i, k0+2i+1), k0 = 16t + 8h
+    if constexpr (NT <= 4) {
+      // Few features per warp: dequantize all NT weight fragments, then stream the m-tiles.
+      uint32_t b[NT][4];                                     // pairs (k0+2i, k0+2i+1), k0 = 16t + 8h
 #pragma unroll
-    for (int j = 0; j < NT; ++j) dequant_word(lds32(w_addr + (j * 8 * WWORDS + h) * 4), s2[j], b[j]);
+      for (int j = 0; j < NT; ++j) dequant_word(lds32(w_word_addr(st_addr, warp_n, g, t, j, h)), s2[j], b[j]);
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      const uint4 lo = lds128(x_addr + (i * 16 * XS + 8 * h) * 2);          // row g
-      const uint4 hi = lds128(x_addr + ((i * 16 + 8) * XS + 8 * h) * 2);    // row g+8
+      for (int i = 0; i < MT; ++i) {
+        const uint4 lo = lds128(x_addr + (i * 16 * XS + 8 * h) * 2);          // row g
+        const uint4 hi = lds128(x_addr + ((i * 16 + 8) * XS + 8 * h) * 2);    // row g+8
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          mma_16816(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);   // step s = 0
+          mma_16816(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);   // step s = 1
+        }
+      }
+    } else {
+      // Many features per warp: hold the MT x-fragments, dequantize one n-tile at a time.
+      uint4 lo[MT], hi[MT];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        lo[i] = lds128(x_addr + (i * 16 * XS + 8 * h) * 2);
+        hi[i] = lds128(x_addr + ((i * 16 + 8) * XS + 8 * h) * 2);
+      }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        mma_16816(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);   // step s = 0
-        mma_16816(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);   // step s = 1
+        uint32_t b[4];
+        dequant_word(lds32(w_word_addr(st_addr, warp_n, g, t, j, h)), s2[j], b);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) mma_16816(acc[i][j], lo[i].x, hi[i].x, lo[i].y, hi[i].y, b[0], b[1]);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) mma_16816(acc[i][j], lo[i].z, hi[i].z, lo[i].w, hi[i].w, b[2], b[3]);
       }
     }
   }
@@ -306,7 +347,7 @@ __device__ __forceinline__ void store_tile(const Problem& p, const float (&acc)[
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int row = m0 + warp_m * WM + i * 16 + g + 8 * rr;
-        const int col = n0 + warp_n * 32 + j * 8 + 2 * t;
+        const int col = n0 + warp_n * WN + j * 8 + 2 * t;
         if (row >= p.T || col >= p.N) continue;
         const bool two = col + 1 < p.N;
         const float2 v = epilogue_pair(p, row, col, acc[i][j][2 * rr], acc[i][j][2 * rr + 1], two);
@@ -320,16 +361,55 @@ __device__ __forceinline__ void store_tile(const Problem& p, const float (&acc)[
       }
 }
 
+// ---- split-K: the last slice to finish a tile adds all slices ------------------------------
+// Workspace layout [slice][tile][i*NT + j][thread] of float4 (one accumulator fragment each):
+// every store and load instruction of a warp touches 512 contiguous bytes. Returns true in
+// the CTA that holds the tile's sum (and must run the epilogue).
+__device__ __forceinline__ bool reduce_split(float (&acc)[MT][NT][4], float* ws, int* counters) {
+  __shared__ int is_last;
+  const int tiles = gridDim.x * gridDim.y, tile = blockIdx.y * gridDim.x + blockIdx.x;
+  const int S = gridDim.z, z = blockIdx.z;
+  float4* part = reinterpret_cast<float4*>(ws);
+  const size_t slice_stride = (size_t)tiles * MT * NT * THREADS;
+  float4* mine = part + (size_t)tile * MT * NT * THREADS + threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      __stcg(mine + z * slice_stride + (i * NT + j) * THREADS,
+             make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
+  __threadfence();                                   // this thread's partials before the count
+  __syncthreads();                                   // all 256 threads stored
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[tile], 1) == S - 1;
+  __syncthreads();                                   // all 256 threads read is_last
+  if (!is_last) return false;
+  __threadfence();                                   // the other slices' partials are visible
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int zz = 0; zz < S; ++zz) {               // slice order: the same bits every run
+        const float4 v = zz == z ? make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3])
+                                 : __ldcg(mine + zz * slice_stride + (i * NT + j) * THREADS);
+        sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+      }
+      acc[i][j][0] = sum.x; acc[i][j][1] = sum.y; acc[i][j][2] = sum.z; acc[i][j][3] = sum.w;
+    }
+  if (threadIdx.x == 0) counters[tile] = 0;          // ready for the next launch
+  return true;
+}
+
 // ---- the GEMM ------------------------------------------------------------------------------
-// Grid (ceil(T/BM), ceil(N/128)): blockIdx.x is the token tile, so the CTAs that share a W
-// tile run side by side and the second and later reads of it come from L2.
+// Grid (ceil(T/BM), ceil(N/128), S): blockIdx.x is the token tile, so the CTAs that share a
+// W tile run side by side and the second and later reads of it come from L2.
 // Pipeline: one barrier per k-tile. At iteration kt the thread waits for its copies of
 // tile kt (all but the newest STAGES-2 groups), the barrier makes every thread's copies
 // visible and proves every warp is done with tile kt-1, whose stage is then refilled with
 // tile kt+STAGES-1. A commit happens every iteration (possibly empty) so the group count
 // stays in step.
 template <bool kSwiglu>
-__device__ __forceinline__ void gemm_body(const Problem& p) {
+__device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* counters) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const uint32_t stage0 = smem_u32(smem_raw);                   // stage s at stage0 + s * STAGE_BYTES
   const uint32_t u0 = stage0 + STAGES * STAGE_BYTES;            // SwiGLU u tile s at u0 + s * U_BYTES
@@ -338,6 +418,7 @@ __device__ __forceinline__ void gemm_body(const Problem& p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N, g = lane >> 2, t = lane & 3;
   const int KT = p.K / BK;
+  const int kt0 = (blockIdx.z * KT) / gridDim.z, nkt = ((blockIdx.z + 1) * KT) / gridDim.z - kt0;
   const Loader L = make_loader(p, m0, n0);
 
   float acc[MT][NT][4];
@@ -350,22 +431,23 @@ __device__ __forceinline__ void gemm_body(const Problem& p) {
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < KT) load_tile<kSwiglu>(p, L, stage0 + s * STAGE_BYTES, u0 + s * U_BYTES, s);
+    if (s < nkt) load_tile<kSwiglu>(p, L, stage0 + s * STAGE_BYTES, u0 + s * U_BYTES, kt0 + s);
     cp_async_commit();
   }
-  int cur = 0, nxt_slot = STAGES - 1;                            // kt % STAGES, (kt + STAGES - 1) % STAGES
-  for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<STAGES - 2>();                                 // this thread's copies of tile kt landed
+  int cur = 0, nxt_slot = STAGES - 1;                            // kk % STAGES, (kk + STAGES - 1) % STAGES
+  for (int kk = 0; kk < nkt; ++kk) {
+    cp_async_wait<STAGES - 2>();                                 // this thread's copies of tile kk landed
     if constexpr (kSwiglu) act_in_place(stage0 + cur * STAGE_BYTES, u0 + cur * U_BYTES, L.x_dst);
-    __syncthreads();                                             // all 256 threads: tile kt visible, tile kt-1 done
-    if (kt + STAGES - 1 < KT)
-      load_tile<kSwiglu>(p, L, stage0 + nxt_slot * STAGE_BYTES, u0 + nxt_slot * U_BYTES, kt + STAGES - 1);
+    __syncthreads();                                             // all 256 threads: tile kk visible, kk-1 done
+    if (kk + STAGES - 1 < nkt)
+      load_tile<kSwiglu>(p, L, stage0 + nxt_slot * STAGE_BYTES, u0 + nxt_slot * U_BYTES, kt0 + kk + STAGES - 1);
     cp_async_commit();
-    mma_tile(p, stage0 + cur * STAGE_BYTES, acc, n0, kt, warp_m, warp_n, g, t);
+    mma_tile(p, stage0 + cur * STAGE_BYTES, acc, n0, kt0 + kk, warp_m, warp_n, g, t);
     cur = cur + 1 == STAGES ? 0 : cur + 1;
     nxt_slot = nxt_slot + 1 == STAGES ? 0 : nxt_slot + 1;
   }
   cp_async_wait<0>();
+  if (gridDim.z > 1 && !reduce_split(acc, ws, counters)) return;
   store_tile(p, acc, m0, n0, warp_m, warp_n, g, t);
 }
 
@@ -373,18 +455,20 @@ __device__ __forceinline__ void gemm_body(const Problem& p) {
 
 // Dynamic shared memory: STAGES * sizeof(Stage) (+ STAGES * BM * 72 * 2 for the SwiGLU u
 // tiles); ops_prefill.gemm_smem_bytes computes the same from the same constants.
+// ws: fp32 [S * tiles * BM * 128] and counters int32 [tiles] (zero) when gridDim.z = S > 1,
+// else unused (may be null).
 extern "C" __global__ void __launch_bounds__(pg::THREADS, pg::MIN_CTAS)
 nq_prefill_gemm(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
-                const half* bias, const half* residual, half* y, int T, int N, int K) {
-  pg::gemm_body<false>(pg::Problem{x, qw, scales, bias, residual, y, T, N, K, K});
+                const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters) {
+  pg::gemm_body<false>(pg::Problem{x, qw, scales, bias, residual, y, T, N, K, K}, ws, counters);
 }
 
 // gate_up fp16 [T, 2K]: gate in columns [0, K), up in [K, 2K); K = the down projection's input.
 extern "C" __global__ void __launch_bounds__(pg::THREADS, pg::MIN_CTAS_SWIGLU)
 nq_prefill_gemm_swiglu(const half* __restrict__ gate_up, const uint32_t* __restrict__ qw,
                        const half* __restrict__ scales, const half* bias, const half* residual, half* y,
-                       int T, int N, int K) {
-  pg::gemm_body<true>(pg::Problem{gate_up, qw, scales, bias, residual, y, T, N, K, 2 * K});
+                       int T, int N, int K, float* ws, int* counters) {
+  pg::gemm_body<true>(pg::Problem{gate_up, qw, scales, bias, residual, y, T, N, K, 2 * K}, ws, counters);
 }
 
 // act [T, I] = fp16(silu(g) * u); gate_up [T, 2I]. One thread per 8 outputs (I % 8 == 0).

@@ -1,4 +1,4 @@
-"""The `nanoqwen` command: synth, pack, inspect, generate, demo.
+"""The `nanoqwen` command: synth, pack, inspect, generate, bench, demo.
 
 User errors (bad arguments, bad files, requests that do not fit) exit with status 2 and one
 line naming the file, the field, the expected and the found value; never a traceback.
@@ -22,6 +22,20 @@ def _ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise LimitError("<arguments>", "--prompt-ids", "comma-separated integers", repr(text)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {v}")
+    return v
+
+
+def _nonneg(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive(text)
 
 
 def cmd_synth(a) -> int:
@@ -94,6 +108,25 @@ def cmd_demo(a) -> int:
     return cmd_generate(ns)
 
 
+def cmd_bench(a) -> int:
+    from .bench import benchmark_e2e, format_report, write_json
+    from .cuda_build import have_gpu
+    from .weightfile import NanoqwenFile
+    f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
+    if not have_gpu():
+        raise LimitError(a.file, "GPU", "a CUDA GPU for benchmark_e2e", "none (cupy sees no device)")
+    r = benchmark_e2e(f, a.prompt_tokens, a.gen_tokens, a.warmup,
+                      progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    if a.peers:
+        from .peers import run_peers
+        r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True))
+    print(format_report(r))
+    if a.json:
+        write_json(r, a.json)
+        print(f"wrote {a.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nanoqwen", description="An INT4 Qwen2.5 inference runtime for Hopper, built in a book.")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
@@ -129,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load (faster)")
     s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("bench", help="benchmark_e2e: TTFT, ITL, tokens/s, MBU (GPU)")
+    s.add_argument("file", type=Path, help="a .nanoqwen file")
+    s.add_argument("--warmup", type=_nonneg, default=None, help="untimed warm-up requests (default: nanoqwen.yaml)")
+    s.add_argument("--prompt-tokens", type=_positive, default=None, help="prompt length (default 512)")
+    s.add_argument("--gen-tokens", type=_positive, default=None, help="generated tokens (default 128)")
+    s.add_argument("--peers", action="store_true", help="also time HF transformers FP16 and torch INT4 tinygemm (needs torch)")
+    s.add_argument("--json", type=Path, help="write all results, GPU name, clocks and git commit here")
+    s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
+    s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("demo", help="synthesize the tiny model, pack it and generate with it")
     s.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")

@@ -213,7 +213,7 @@ class GpuBackend:
             raise LimitError("<generate>", "sequence length", f"<= {self.max_tokens} tokens (KV pool)",
                              self.position + 1)
         new_page = self.position % KV.page_tokens == 0
-        if token is None and self.graphs is not None:
+        if token is None and self.graphs is not None and self.use_graphs:
             self.graphs[new_page].launch(self.stream)
         else:
             with self.stream:
@@ -231,14 +231,20 @@ class GpuBackend:
         return int(self.arena["s.generated"][position].get())
 
     # ------------------------------------------------------------------ the protocol
-    def prefill(self, ids: list[int], physical_pages=None) -> int:
-        """The simple correct prefill: the prompt through the decode step, token by token."""
+    prefill_kind = "token by token through the decode step"
+
+    def prefill_enqueue(self, ids: list[int], physical_pages=None) -> None:
+        """The simple correct prefill: the prompt through the decode step, token by token.
+        Enqueues only (no host sync), so TTFT can be timed with events."""
         check_request(self.dims, list(ids), 1, self.max_tokens)
         self.reset(physical_pages)
         for t in ids:
             self.launch_step(int(t))
         if self.use_graphs and self.graphs is None:
             self.capture_graphs()
+
+    def prefill(self, ids: list[int], physical_pages=None) -> int:
+        self.prefill_enqueue(ids, physical_pages)
         return self.token_at(self.position - 1)
 
     def decode(self, token: int) -> int:

@@ -31,9 +31,12 @@ LMHEAD_TUNING = {"NQ_LMHEAD_WARPS": 8, "NQ_LMHEAD_ROWS_PER_WARP": 4, "NQ_LMHEAD_
 DECODE_TUNING = {"NQ_DECODE_THREADS": 512}
 LMHEAD_CTAS_PER_SM = 4          # persistent grid of the lm_head
 ARGMAX_CTAS_PER_SM = 1
-SPLIT_TARGET_CTAS_PER_SM = 4    # split K until the grid has this many CTAs per SM ...
+# Split-K: measured on the H200 (PERFLOG.md, v2), every extra slice costs more than it
+# gains, so K is split only as far as one CTA's range must fit its shared memory.
+SPLIT_TARGET_CTAS_PER_SM = 0    # split K until the grid has this many CTAs per SM (0: off) ...
 SPLIT_MAX_CTA_GROUPS = 64       # ... and so that one CTA's K range fits its shared memory
 SPLIT_MIN_WARP_GROUPS = 2       # ... but never below this many groups per warp
+GEMV_FALLBACK = {"NQ_GEMV_UNROLL": 2}   # shapes the table below does not name
 
 # Workspace capacity (allocated once, ~4.3 MB).
 WS_PARTIAL_FLOATS = 1 << 20     # ksplit * N fp32 partial sums
@@ -126,16 +129,40 @@ def plan_split(n: int, k: int, tuning: dict | None = None) -> int:
     rows = 16 * t["NQ_GEMV_MTILES"]
     tiles, groups = -(-n // rows), k // GROUP
     s = max(1, -(-groups // SPLIT_MAX_CTA_GROUPS))
-    target = SPLIT_TARGET_CTAS_PER_SM * num_sms()
+    target = SPLIT_TARGET_CTAS_PER_SM * num_sms() if SPLIT_TARGET_CTAS_PER_SM else 0
     while tiles * s < target and groups // (s + 1) >= t["NQ_GEMV_WARPS"] * SPLIT_MIN_WARP_GROUPS:
         s += 1
     return s
 
 
+@functools.lru_cache(maxsize=1)
+def tuned_table() -> dict:
+    """(launcher, N, K) -> (tuning, ksplit) for the 7B decode GEMVs: the fastest variant of
+    each shape measured on the H200 (PERFLOG.md, run 3; graph replay)."""
+    d = load().model("7b")
+    mt2u2 = {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}
+    return {
+        ("gemv_int4", d.qkv_dim, d.hidden): ({}, 1),                                     # 8.0 us
+        ("gemv_int4", d.hidden, d.q_dim): ({"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}, 1),  # 6.1 us
+        ("gemv_int4", 2 * d.intermediate, d.hidden): (mt2u2, 1),                         # 29.4 us
+        ("gemv_int4", d.hidden, d.intermediate): ({"NQ_GEMV_WARPS": 2}, 3),              # 20.1-21.4 us
+        ("gemv_int4_swiglu", d.hidden, d.intermediate): (mt2u2, 5),                      # 23.0 us
+    }
+
+
+def gemv_config(fn: str, n: int, k: int, tuning: dict | None = None, ksplit: int | None = None):
+    """(tuning, ksplit) of a tiles launch: the arguments when given, else the measured
+    table for the 7B shapes, else GEMV_FALLBACK with the shared-memory split."""
+    if tuning is None and ksplit is None and (fn, n, k) in tuned_table():
+        t, s = tuned_table()[(fn, n, k)]
+        return {**GEMV_TUNING, **t}, s
+    t = {**GEMV_TUNING, **(GEMV_FALLBACK if tuning is None else tuning)}
+    return t, ksplit or plan_split(n, k, t)
+
+
 def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group: int,
                  qweight, scales, out, bias, residual, n: int, k: int,
                  ksplit: int | None, tuning: dict | None, impl: str | None = None, ctas: int | None = None) -> None:
-    t = {**GEMV_TUNING, **(tuning or {})}
     _check(fn, "out", out, np.float16, (n,))
     if bias is not None:
         _check(fn, "bias", bias, np.float16, (n,))
@@ -146,11 +173,12 @@ def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group
         raise NanoqwenError(f"ops_gemv.{fn}", "impl", "'tiles' or 'stream'", repr(impl))
     groups = k // GROUP
     # The stream kernels stage all of K per CTA; past 48 KiB they fall back to tiles.
-    if impl == "stream" and t["NQ_GEMV_MTILES"] == 1 and groups * act_bytes_per_group <= 48 * 1024:
+    ts = {**GEMV_TUNING, **(tuning or {})}
+    if impl == "stream" and ts["NQ_GEMV_MTILES"] == 1 and groups * act_bytes_per_group <= 48 * 1024:
         _launch_stream(fn, kernel_name + "_stream", act_args, groups * act_bytes_per_group,
-                       qweight, scales, out, bias, residual, n, k, t, ctas)
+                       qweight, scales, out, bias, residual, n, k, ts, ctas)
         return
-    s = ksplit or plan_split(n, k, t)
+    t, s = gemv_config(fn, n, k, tuning, ksplit)
     if not 1 <= s <= groups:
         raise NanoqwenError(f"ops_gemv.{fn}", "ksplit", f"1..{groups} (groups of K)", s)
     rows = 16 * t["NQ_GEMV_MTILES"]

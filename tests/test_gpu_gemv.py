@@ -143,6 +143,7 @@ def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
 @pytest.mark.parametrize("impl,tuning", [("tiles", {"NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_WARPS": 8}), ("tiles", {"NQ_GEMV_WARPS": 2}),
+                                         ("tiles", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_BRANCHLESS": 0}),
                                          ("stream", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}),
                                          ("stream", {"NQ_GEMV_STREAM_RING": 8})])
@@ -167,6 +168,12 @@ def test_gemv_int4_residual_in_place(rng, impl, ksplit):
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, None), (130, 384, 1), (7, 1152, 3), (1000, 1152, None)])
 def test_gemv_int4_swiglu(rng, n, k, ksplit, impl):
     run_gemv(rng, n, k, bias=False, residual=True, ksplit=ksplit, launcher="swiglu", impl=impl)
+
+
+@pytest.mark.parametrize("tuning", [{"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_WARPS": 2}])
+@pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, 5), (130, 1152, 1)])
+def test_gemv_int4_swiglu_tuning_variants(rng, tuning, n, k, ksplit):
+    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, launcher="swiglu", tuning=tuning)
 
 
 def test_launcher_refuses_bad_buffers():

@@ -70,3 +70,18 @@ def test_variant_line_parses():
     assert variants("gemv_int4"), "gemv_int4.cu names its variants on a `// nq-variants:` line"
     for v in variants("gemv_int4"):
         assert all(k.startswith("NQ_") and val.strip() for k, val in v.items()), v
+
+
+def test_tuned_table_is_built_and_consistent():
+    """Every (tuning, ksplit) the launcher picks for the 7B shapes is a compiled variant
+    above (so CI checked it for spills) and fits one CTA's shared memory."""
+    from nanoqwen_lib import ops_gemv
+
+    built = [{}] + [{k: int(v) for k, v in d.items()} for d in variants("gemv_int4")]
+    for (fn, n, k), (tuning, ksplit) in ops_gemv.tuned_table().items():
+        t, s = ops_gemv.gemv_config(fn, n, k)
+        assert s == ksplit and all(t[name] == v for name, v in tuning.items()), (fn, n, k, t, s)
+        assert tuning in built, f"{fn} {n}x{k}: tuning {tuning} is not on the nq-variants line"
+        assert -(-(k // 128) // s) * 320 <= 48 * 1024, (fn, n, k, s)
+    t, s = ops_gemv.gemv_config("gemv_int4", 1000, 1152)          # not in the table
+    assert s == 1 and t["NQ_GEMV_UNROLL"] == ops_gemv.GEMV_FALLBACK["NQ_GEMV_UNROLL"]

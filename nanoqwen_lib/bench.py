@@ -1,0 +1,138 @@
+"""benchmark_e2e: TTFT, ITL, tokens/s and MBU under the protocol of nanoqwen.yaml.
+
+Protocol (batch 1): `warmup` untimed runs of the whole request, then one timed run:
+prefill of `prompt_tokens` (TTFT = prompt in -> first token on the device, CUDA events) and
+`gen_tokens` decode steps replayed as CUDA graphs, an event between every two steps (ITL =
+the time between them; median, p10, p90). MBU = bytes a decode token must read (weights,
+scales, lm_head, the KV cache at the mean context) / ITL / the read ceiling measured in the
+same process. Speed does not depend on weight values, so synthetic weights are faithful.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .config import load
+from .layout import bytes_per_decode_token
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def gpu_conditions() -> dict:
+    """GPU name and the clocks seen now (nvidia-smi, if present): clocks are not locked."""
+    import cupy as cp
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    out = {"gpu": props["name"].decode(), "sms": props["multiProcessorCount"],
+           "clocks_locked": load().benchmark.lock_clocks}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        sm, mem, max_sm, temp, power = [v.strip() for v in q.stdout.strip().split(",")]
+        out.update(sm_clock_mhz=sm, mem_clock_mhz=mem, max_sm_clock_mhz=max_sm, temp_c=temp, power_w=power)
+    except Exception:
+        pass
+    return out
+
+
+def _stats(ms: list[float]) -> dict:
+    a = np.asarray(ms)
+    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
+            "p90": float(np.percentile(a, 90)), "mean": float(a.mean()), "n": int(a.size)}
+
+
+def timed_request(engine, prompt: list[int], gen_tokens: int) -> dict:
+    """One request: TTFT and the per-step ITLs, all from CUDA events on the engine's stream."""
+    import cupy as cp
+    s = engine.stream
+    start, first = cp.cuda.Event(), cp.cuda.Event()
+    start.record(s)
+    engine.prefill_enqueue(prompt)
+    first.record(s)
+    steps = [cp.cuda.Event() for _ in range(gen_tokens)]
+    for ev in steps:                       # no host sync in this loop: graphs back to back
+        engine.launch_step()
+        ev.record(s)
+    s.synchronize()
+    ttft = cp.cuda.get_elapsed_time(start, first)
+    itl = [cp.cuda.get_elapsed_time(a, b) for a, b in zip([first] + steps[:-1], steps)]
+    ids = engine.arena["s.generated"][len(prompt) - 1:len(prompt) - 1 + gen_tokens + 1].get().tolist()
+    return {"ttft_ms": ttft, "itl_ms": itl, "tokens": ids}
+
+
+def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, seed=0,
+                  progress=print) -> dict:
+    from .engine import GpuBackend
+    from .timing import measure_read_ceiling
+    proto = load().benchmark
+    prompt_tokens = prompt_tokens or proto.prompt_tokens
+    gen_tokens = gen_tokens or proto.gen_tokens
+    warmup = proto.warmup if warmup is None else warmup
+    dims = nq_file.dims
+    prompt = np.random.default_rng(seed).integers(0, 151643, prompt_tokens).tolist()
+    progress(f"loading {nq_file.path} onto the GPU")
+    engine = GpuBackend(nq_file, max_tokens=prompt_tokens + gen_tokens + 16, graphs=True)
+    for i in range(warmup):
+        progress(f"warm-up {i + 1}/{warmup}")
+        timed_request(engine, prompt, gen_tokens)
+    progress("timed run")
+    run = timed_request(engine, prompt, gen_tokens)
+    progress("measuring the read ceiling")
+    ceiling = measure_read_ceiling()
+    itl = _stats(run["itl_ms"])
+    ctx_mean = prompt_tokens + gen_tokens // 2
+    need = bytes_per_decode_token(dims, ctx_mean)
+    bytes_tok = sum(need.values())
+    return {
+        "protocol": {"batch": proto.batch, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+                     "warmup": warmup, "lock_clocks": proto.lock_clocks, "decode": "CUDA graphs",
+                     "prefill": engine.prefill_kind, "weights": "synthetic (speed does not depend on values)"},
+        "model": {"file": str(nq_file.path), "layers": dims.num_layers, "hidden": dims.hidden},
+        "ttft_ms": run["ttft_ms"],
+        "itl_ms": itl,
+        "tokens_per_s": 1000.0 / itl["median"],
+        "bytes_per_token": bytes_tok,
+        "bytes_breakdown": need,
+        "read_ceiling_tbps": ceiling["tbps"],
+        "achieved_tbps": bytes_tok / (itl["median"] * 1e-3) / 1e12,
+        "mbu": bytes_tok / (itl["median"] * 1e-3) / (ceiling["tbps"] * 1e12),
+        "conditions": gpu_conditions(),
+        "git_commit": _git_commit(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def format_report(r: dict) -> str:
+    itl = r["itl_ms"]
+    c = r["conditions"]
+    lines = [
+        f"{c.get('gpu')}  (SM clock {c.get('sm_clock_mhz', '?')} MHz, not locked)  commit {r['git_commit'][:10]}",
+        f"protocol  batch {r['protocol']['batch']}, pp{r['protocol']['prompt_tokens']} / tg{r['protocol']['gen_tokens']}, "
+        f"warmup {r['protocol']['warmup']}, prefill: {r['protocol']['prefill']}",
+        f"TTFT      {r['ttft_ms']:.2f} ms",
+        f"ITL       median {itl['median']:.4f} ms  (p10 {itl['p10']:.4f}, p90 {itl['p90']:.4f})",
+        f"tokens/s  {r['tokens_per_s']:.1f}",
+        f"MBU       {100 * r['mbu']:.1f}%  ({r['bytes_per_token'] / 1e9:.3f} GB/token at "
+        f"{r['achieved_tbps']:.2f} TB/s; read ceiling {r['read_ceiling_tbps']:.2f} TB/s measured now)",
+    ]
+    for name in ("hf_fp16", "torch_int4"):
+        if name in r.get("peers", {}):
+            p = r["peers"][name]
+            if "error" in p:
+                lines.append(f"peer {name:<11} could not run: {p['error']}")
+                continue
+            lines.append(f"peer {name:<11} ITL {p['itl_ms']:.3f} ms  ->  nanoqwen is {p['itl_ms'] / itl['median']:.2f}x faster")
+    return "\n".join(lines)
+
+
+def write_json(r: dict, path) -> None:
+    Path(path).write_text(json.dumps(r, indent=2, default=str))
