@@ -3,12 +3,14 @@
 //   nq_gemv_int4_swiglu   same, x = fp16(silu(g) * u) formed on the fly from gate_up fp16 [2K]
 //   nq_quantize_act_int8  x fp16 [K] -> int8 per group of 128 (scale = absmax/127), dp4a byte order
 //   nq_gemv_int4_dp4a     out as nq_gemv_int4 from the int8 activations, __dp4a on INT4->INT8 weights
+//   nq_gemv_int4{,_swiglu,_dp4a}_stream  the same three as persistent stream-K kernels (v3)
+//   compile-time: NQ_GEMV_{WARPS,UNROLL,MTILES,BRANCHLESS,MIN_CTAS} (tiles), NQ_GEMV_STREAM_{WARPS,RING}
 // nq-variants: NQ_GEMV_UNROLL=2; NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=8,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=2; NQ_GEMV_BRANCHLESS=0; NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8
 //
 // Shapes (runtime): qweight uint32 [N, K/8], scales fp16 [N, K/128], K a multiple of 128,
 // any N >= 1. Tuned for the 7B decode shapes (N 3584..37888, K 3584 / 18944) on an H200.
 //
-// Work split. A CTA owns 16*MTILES output rows (one tensor-core m-tile per MTILES) and a
+// Work split ("tiles", v2; the launcher's default). A CTA owns 16*MTILES output rows (one tensor-core m-tile per MTILES) and a
 // contiguous range of K-groups [gs, ge): blockIdx.y is the split-K slice (ksplit slices in
 // all). Its WARPS warps share the range group by group (warp w takes local groups w,
 // w+WARPS, ...), so every warp streams the same rows. Lane (g, t) = (lane/4, lane%4) reads

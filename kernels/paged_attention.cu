@@ -5,6 +5,7 @@
 //   NQ_ATTN_BUGGY_SYNC=1  the original runtime's tail-page hand-off: a __syncthreads() inside
 //                         the producer's `if (warp == 0)` branch (see "THE BUG" below)
 // nq-variants: NQ_ATTN_BUGGY_SYNC=1
+// Lines `// [attn-...]` mark the pieces book/06-paged-attention.md includes (comments only).
 //
 // Tuned for: head_dim 128 or 64, GQA ratio <= 8 (7 on Qwen2.5), 16-token pages, 3 stages.
 // Degrades to: nothing else compiles (static_asserts); contexts shorter than max_splits
@@ -77,6 +78,7 @@ static_assert(ROW_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
 static_assert(STAGES >= 2, "a ring needs two stages to overlap copy and compute");
 
 // Every shared buffer of the CTA, by name. 39 KiB at d = 128 (20 KiB at 64): static shared memory.
+// [attn-shared-storage]
 struct __align__(128) SharedStorage {
     half k[STAGES][TILE_ELEMS];                     // stage ring: K tile [16 tokens][d]
     half v[STAGES][TILE_ELEMS];                     // stage ring: V tile [16 tokens][d]
@@ -88,11 +90,13 @@ struct __align__(128) SharedStorage {
     uint64_t full[STAGES];                          // producer -> consumers: stage holds its page
     uint64_t empty[STAGES];                         // consumers -> producer: stage may be refilled
 };
+// [attn-shared-storage-end]
 
 // ---------------------------------------------------------------- PTX wrappers
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+// [attn-mbarrier]
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(arrivals) : "memory");
 }
@@ -131,6 +135,7 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 __device__ __forceinline__ void consumer_barrier() {
     asm volatile("bar.sync 1, %0;" :: "n"(CONSUMER_THREADS) : "memory");
 }
+// [attn-mbarrier-end]
 
 // ---------------------------------------------------------------- small math
 // DPL consecutive fp16 of a row -> float.
@@ -166,6 +171,7 @@ __device__ __forceinline__ float transpose_reduce(float (&v)[32], int lane) {
 }
 
 // ---------------------------------------------------------------- roles
+// [attn-produce]
 // Producer warp (all 32 lanes loop; lane 0 issues). Stage i % STAGES gets page first + i.
 __device__ __forceinline__ void produce(SharedStorage& sm, const half* k_cache, const half* v_cache,
                                        const int32_t* block_table, int g, int first, int count,
@@ -178,6 +184,7 @@ __device__ __forceinline__ void produce(SharedStorage& sm, const half* k_cache, 
         const int rows = min(NQ_PAGE_TOKENS, ctx - page * NQ_PAGE_TOKENS);
         // Slice (physical page, g) of [num_pages, kv_heads, 16, d]; 64-bit offsets.
         const long long src = ((long long)__ldg(block_table + page) * NQ_NUM_KV_HEADS + g) * TILE_ELEMS;
+        // [attn-buggy-tail]
 #if NQ_ATTN_BUGGY_SYNC
         if (rows < NQ_PAGE_TOKENS) {                        // the original tail-page path
             if (lane == 0) mbar_arrive(&sm.full[stage]);    // phase completes now: no bytes expected
@@ -190,6 +197,7 @@ __device__ __forceinline__ void produce(SharedStorage& sm, const half* k_cache, 
             continue;
         }
 #endif
+        // [attn-buggy-tail-end]
         if (lane == 0) {
             const uint32_t bytes = rows * ROW_BYTES;          // 16 rows, or the tail's valid rows
             mbar_arrive_expect_tx(&sm.full[stage], 2 * bytes); // K + V land on this phase
@@ -198,7 +206,9 @@ __device__ __forceinline__ void produce(SharedStorage& sm, const half* k_cache, 
         }
     }
 }
+// [attn-produce-end]
 
+// [attn-consume]
 // Consumer warp cw (0..3): tokens 4cw .. 4cw+3 of each page, all GQA heads.
 // Lane layout: lane owns dims [lane*DPL, lane*DPL + DPL) of q, K and V rows, and, after the
 // transpose-reduce, the score of (token t = lane >> 3, head h = lane & 7).
@@ -246,6 +256,7 @@ __device__ __forceinline__ void consume(SharedStorage& sm, const half* q, int g,
         const bool live = my_h < GQA && cw * TOKENS_PER_WARP + my_t < valid;
         s = live ? s : neg_inf();                            // rows past the context: masked
 
+        // [attn-consume-softmax]
         // Online softmax over this warp's tokens; lanes h, h+8, h+16, h+24 share head h.
         float m_tile = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, 8));
         m_tile = fmaxf(m_tile, __shfl_xor_sync(0xffffffffu, m_tile, 16));
@@ -261,6 +272,7 @@ __device__ __forceinline__ void consume(SharedStorage& sm, const half* q, int g,
         if (lane < GQA_SLOTS) sm.alpha[cw][lane] = alpha;
         __syncwarp();                                        // this warp's 32 lanes: p, alpha written
 
+        // [attn-consume-pv]
         // O = alpha O + P V over the live rows (stale rows may hold NaN: never multiplied).
 #pragma unroll
         for (int h = 0; h < GQA; ++h) {
@@ -294,7 +306,9 @@ __device__ __forceinline__ void consume(SharedStorage& sm, const half* q, int g,
 #pragma unroll
         for (int j = 0; j < DPL; ++j) sm.part_acc[cw][h][lane * DPL + j] = acc[h][j];
 }
+// [attn-consume-end]
 
+// [attn-merge]
 // The 128 consumer threads merge the 4 warps' (m, l, acc) into the CTA's partial for split s.
 // M is finite: consumer warp 0 owns row 0 of every page, and row 0 of a page always holds a token.
 __device__ __forceinline__ void merge_and_store(const SharedStorage& sm, int g, int split, int ct,
@@ -317,7 +331,9 @@ __device__ __forceinline__ void merge_and_store(const SharedStorage& sm, int g, 
         if (j == 0) { ws_m[row] = M; ws_l[row] = l; }
     }
 }
+// [attn-merge-end]
 
+// [attn-split-kernel]
 // Pages per split, and how many splits hold pages: the one rule both kernels use.
 __device__ __forceinline__ int pages_per_split(int n_pages, int max_splits) {
     return (n_pages + max_splits - 1) / max_splits;
@@ -361,7 +377,9 @@ paged_attention_split(const half* __restrict__ q,             // [num_heads * d]
         merge_and_store(sm, g, split, threadIdx.x - 32, ws_m, ws_l, ws_acc);
     }
 }
+// [attn-split-kernel-end]
 
+// [attn-combine]
 // Combine: block per query head, thread per dim. Version 1 walked the splits serially in
 // every thread (two dependent L2 loads per split: ~0.2 us each, 10+ us at 64 splits); here
 // the threads stage m_s and 2^(m_s - M) in shared memory in parallel, and each thread's
@@ -419,3 +437,4 @@ paged_attention_combine(const float* __restrict__ ws_m, const float* __restrict_
         a = fmaf(scale[s], ws_acc[((long long)s * NQ_NUM_HEADS + head) * HEAD_DIM + j], a);
     out[head * HEAD_DIM + j] = __float2half_rn(a / L);
 }
+// [attn-combine-end]

@@ -85,10 +85,10 @@ constexpr int NT = WN / 8;               // n8 tiles per warp: 4 or 8
 constexpr int XS = BK + 8;               // padded X row, halves (144 bytes)
 constexpr int WWORDS = BK / 8;           // packed words per W row per k-tile (8)
 constexpr int X_CHUNKS = BM * BK / 8;    // 16-byte chunks of an X tile
-// CTAs per SM the register cap aims at (launch bounds): 2 x 256 threads x 128 registers fill
-// the register file. The SwiGLU kernel at BM = 128 needs more registers for act_in_place and
-// its shared memory (4 stages of X, u and W: 166 KB) allows one CTA anyway.
-constexpr int MIN_CTAS = 2;
+// CTAs per SM the register cap aims at (launch bounds). BM = 64: 2 x 256 threads x <= 128
+// registers. BM = 128 needs ~150 registers (64 accumulators, the loaders, split-K): one CTA
+// of 8 warps per SM, where a cap of 128 would spill.
+constexpr int MIN_CTAS = BM == 128 ? 1 : 2;
 constexpr int MIN_CTAS_SWIGLU = BM == 128 ? 1 : 2;
 
 // One stage of the ring. `u` exists only in the SwiGLU kernel (the launcher sizes the
@@ -279,19 +279,18 @@ __device__ __forceinline__ void mma_tile(const Problem& p, uint32_t st_addr, flo
   const int grp = (kt * BK) / NQ_GROUP_SIZE, G = p.K / NQ_GROUP_SIZE;
   const uint32_t s_addr = st_addr + S_OFF + (warp_n * WN + g) * 4;
   const uint32_t x_addr = st_addr + ((warp_m * WM + g) * XS + 16 * t) * 2;
-  uint32_t s2[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const bool odd = (((n0 + warp_n * WN + j * 8 + g) * G + grp) & 1) != 0;   // which half is the scale
-    s2[j] = prmt(lds32(s_addr + j * 8 * 4), 0u, odd ? 0x3232u : 0x1010u);      // (s, s)
-  }
+  // Scale element (row, grp) sits in the upper half of its aligned word when row * G + grp
+  // is odd; rows 8 apart share that parity, so one selector serves all NT rows of the lane.
+  const uint32_t sel = (((n0 + warp_n * WN + g) * G + grp) & 1) ? 0x3232u : 0x1010u;
+  // (s, s) of n-tile j: re-read per use rather than held in NT registers across the tile.
+  auto scale2 = [&](int j) { return prmt(lds32(s_addr + j * 8 * 4), 0u, sel); };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if constexpr (NT <= 4) {
       // Few features per warp: dequantize all NT weight fragments, then stream the m-tiles.
       uint32_t b[NT][4];                                     // pairs (k0+2i, k0+2i+1), k0 = 16t + 8h
 #pragma unroll
-      for (int j = 0; j < NT; ++j) dequant_word(lds32(w_word_addr(st_addr, warp_n, g, t, j, h)), s2[j], b[j]);
+      for (int j = 0; j < NT; ++j) dequant_word(lds32(w_word_addr(st_addr, warp_n, g, t, j, h)), scale2(j), b[j]);
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
         const uint4 lo = lds128(x_addr + (i * 16 * XS + 8 * h) * 2);          // row g
@@ -313,7 +312,7 @@ __device__ __forceinline__ void mma_tile(const Problem& p, uint32_t st_addr, flo
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         uint32_t b[4];
-        dequant_word(lds32(w_word_addr(st_addr, warp_n, g, t, j, h)), s2[j], b);
+        dequant_word(lds32(w_word_addr(st_addr, warp_n, g, t, j, h)), scale2(j), b);
 #pragma unroll
         for (int i = 0; i < MT; ++i) mma_16816(acc[i][j], lo[i].x, hi[i].x, lo[i].y, hi[i].y, b[0], b[1]);
 #pragma unroll
@@ -384,14 +383,16 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[MT][NT][4], float* ws,
   __syncthreads();                                   // all 256 threads read is_last
   if (!is_last) return false;
   __threadfence();                                   // the other slices' partials are visible
+  // The sum reads every slice back, this CTA's own too (its own stores, visible to it), so
+  // that acc is free while the loads are in flight.
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int zz = 0; zz < S; ++zz) {               // slice order: the same bits every run
-        const float4 v = zz == z ? make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3])
-                                 : __ldcg(mine + zz * slice_stride + (i * NT + j) * THREADS);
+      const float4* src = mine + (i * NT + j) * THREADS;
+      float4 sum = __ldcg(src);
+      for (int zz = 1; zz < S; ++zz) {               // slice order: the same bits every run
+        const float4 v = __ldcg(src + zz * slice_stride);
         sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
       }
       acc[i][j][0] = sum.x; acc[i][j][1] = sum.y; acc[i][j][2] = sum.z; acc[i][j][3] = sum.w;
@@ -434,8 +435,8 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
     if (s < nkt) load_tile<kSwiglu>(p, L, stage0 + s * STAGE_BYTES, u0 + s * U_BYTES, kt0 + s);
     cp_async_commit();
   }
-  int cur = 0, nxt_slot = STAGES - 1;                            // kk % STAGES, (kk + STAGES - 1) % STAGES
   for (int kk = 0; kk < nkt; ++kk) {
+    const int cur = kk % STAGES, nxt_slot = (kk + STAGES - 1) % STAGES;   // AND for 4 stages
     cp_async_wait<STAGES - 2>();                                 // this thread's copies of tile kk landed
     if constexpr (kSwiglu) act_in_place(stage0 + cur * STAGE_BYTES, u0 + cur * U_BYTES, L.x_dst);
     __syncthreads();                                             // all 256 threads: tile kk visible, kk-1 done
@@ -443,8 +444,6 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
       load_tile<kSwiglu>(p, L, stage0 + nxt_slot * STAGE_BYTES, u0 + nxt_slot * U_BYTES, kt0 + kk + STAGES - 1);
     cp_async_commit();
     mma_tile(p, stage0 + cur * STAGE_BYTES, acc, n0, kt0 + kk, warp_m, warp_n, g, t);
-    cur = cur + 1 == STAGES ? 0 : cur + 1;
-    nxt_slot = nxt_slot + 1 == STAGES ? 0 : nxt_slot + 1;
   }
   cp_async_wait<0>();
   if (gridDim.z > 1 && !reduce_split(acc, ws, counters)) return;

@@ -192,8 +192,7 @@ class GpuBackend:
     def head_step(self) -> None:
         a, g = self.arena, self.gemv
         g.rmsnorm(a["a.x"], a["w.norm"], a["a.y"], self.dims.rms_eps)
-        g.lm_head(a["a.y"], self.lm_head, a["a.logits"])
-        g.argmax(a["a.logits"], self.scalar["token"])
+        g.lm_head(a["a.y"], self.lm_head, a["a.logits"], token_out=self.scalar["token"])  # + argmax
 
     def capture_graphs(self) -> None:
         """Capture the two variants of the step once: mid-page and page boundary (which

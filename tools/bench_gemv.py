@@ -81,7 +81,7 @@ def bench_shape(name, n, k, ceiling, l2, quick):
         t = timing.time_cuda(rotating(fn, copies), **t_args)
         record(name, variant, t, nb, ceiling, **info)
 
-    auto = ops_gemv.plan_split(n, k)
+    auto = ops_gemv.gemv_config("gemv_int4", n, k)[1]      # the launcher's own choice (tuned table)
     t = timing.time_cuda(rotating(lambda q, s: ops_gemv.gemv_int4(x, q, s, out, **kw), copies),
                          **{**t_args, "graph": False})
     record(name, "prmt-mma eager (host-bound)", t, nbytes, ceiling, ksplit=auto)
@@ -89,7 +89,8 @@ def bench_shape(name, n, k, ceiling, l2, quick):
     groups = k // 128
     for s_ in (1, 2, 3, 4, 6, 8, 12):
         if s_ != auto and s_ <= groups and -(-groups // s_) <= ops_gemv.SPLIT_MAX_CTA_GROUPS and not quick:
-            run(f"prmt-mma ks={s_}", lambda q, s, s_=s_: ops_gemv.gemv_int4(x, q, s, out, ksplit=s_, **kw), ksplit=s_)
+            run(f"prmt-mma fallback ks={s_}", lambda q, s, s_=s_: ops_gemv.gemv_int4(x, q, s, out, ksplit=s_, **kw),
+                ksplit=s_)
     for label, tv in VARIANTS:
         tuning = {**ops_gemv.GEMV_TUNING, **tv}
         s_auto = ops_gemv.plan_split(n, k, tuning)
@@ -106,6 +107,7 @@ def bench_shape(name, n, k, ceiling, l2, quick):
                                           ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, **kw)), ksplit=auto)
     run("dp4a stream (gemv only)", lambda q, s: ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, impl="stream", **kw))
     if name == "down":
+        auto = ops_gemv.gemv_config("gemv_int4_swiglu", n, k)[1]
         nb = wbytes + 2 * k * 2 + n * 4
         run("swiglu", lambda q, s: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out), nb, ksplit=auto)
         for s_ in (2, 4, 6, 8):
