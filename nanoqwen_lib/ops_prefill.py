@@ -36,7 +36,14 @@ PAGE_TOKENS = load().kv_cache.page_tokens
 GEMM_BN, GEMM_BK, GEMM_THREADS, GEMM_XS = 128, 64, 256, 64 + 8
 GEMM_STAGES = 4
 GEMM_BM_CHOICES = (64, 128)
-GEMM_CTAS_PER_SM = 2            # BM = 128 once the grid gives every SM this many CTAs
+GEMM_WARPS_M = 2                 # 8 warps as 2 (tokens) x 4 (features); 4 x 2 is the other build
+GEMM_CTAS_PER_SM = {64: 2, 128: 1}   # resident CTAs per SM (the kernel's launch bounds / registers)
+GEMM_BM128_MIN_WAVES = 2         # BM = 128 once its grid fills the resident slots this many times
+SPLIT_MAX = 8                    # split-K slices at most ...
+SPLIT_MIN_KTILES = 4             # ... each with at least this many k-tiles of 64
+SPLIT_FILL_KTILES = 3            # pipeline fill + epilogue of a CTA, in k-tile times (the wave model)
+WS_FLOATS = 1 << 24              # split-K workspace: fp32 partial tiles (64 MiB), allocated once
+WS_COUNTERS = 1 << 16            # one counter per output tile
 ATTN_BQ, ATTN_THREADS = 64, 128
 
 
@@ -98,51 +105,93 @@ def gemm_smem_bytes(bm: int, swiglu: bool, stages: int = GEMM_STAGES) -> int:
     return stages * (stage + (bm * GEMM_XS * 2 if swiglu else 0))
 
 
-def plan_bm(t: int, n: int) -> int:
-    """Token tile: 128 when the grid still gives every SM GEMM_CTAS_PER_SM CTAs (half the
-    dequantization per MMA), else 64 (twice the CTAs for small N or short prompts)."""
-    tiles_128 = -(-t // 128) * -(-n // GEMM_BN)
-    return 128 if tiles_128 >= GEMM_CTAS_PER_SM * num_sms() else 64
+def _waves_cost(tiles: int, ktiles: int, split: int, slots: int) -> int:
+    """Wave model of a launch in k-tile times: rounds of resident CTAs x each CTA's k-tiles."""
+    return -(-tiles * split // slots) * (-(-ktiles // split) + SPLIT_FILL_KTILES)
+
+
+def plan_gemm(t: int, n: int, k: int) -> tuple[int, int]:
+    """(bm, split) for a [t, k] x [n, k]^T GEMM. BM = 128 (half the dequantization per MMA)
+    when t > 64 and its grid fills the resident slots GEMM_BM128_MIN_WAVES times, else 64; split-K
+    slices by the wave model (a short last wave and idle SMs cost as much as a full wave),
+    capped by the workspace."""
+    sms, ktiles = num_sms(), k // GEMM_BK
+    tiles = {bm: -(-t // bm) * -(-n // GEMM_BN) for bm in GEMM_BM_CHOICES}
+    bm = 128 if t > 64 and tiles[128] >= GEMM_BM128_MIN_WAVES * GEMM_CTAS_PER_SM[128] * sms else 64
+    slots = GEMM_CTAS_PER_SM[bm] * sms
+    splits = [s for s in range(1, SPLIT_MAX + 1)
+              if s == 1 or (ktiles // s >= SPLIT_MIN_KTILES and s * tiles[bm] * bm * GEMM_BN <= WS_FLOATS)]
+    return bm, min(splits, key=lambda s: (_waves_cost(tiles[bm], ktiles, s, slots), s))
 
 
 @functools.lru_cache(maxsize=None)
-def _gemm_kernel(name: str, bm: int, stages: int):
-    kern = cuda_build.load_module("prefill_gemm", None, {"NQ_PG_BM": bm, "NQ_PG_STAGES": stages}).get_function(name)
+def _gemm_kernel(name: str, bm: int, warps_m: int, stages: int):
+    extra = {"NQ_PG_BM": bm, "NQ_PG_WARPS_M": warps_m, "NQ_PG_STAGES": stages}
+    kern = cuda_build.load_module("prefill_gemm", None, extra).get_function(name)
     kern.max_dynamic_shared_size_bytes = gemm_smem_bytes(bm, name.endswith("swiglu"), stages)
     return kern
 
 
+@functools.lru_cache(maxsize=None)
+def _workspace(device_id: int):
+    import cupy as cp
+    return cp.zeros(WS_FLOATS, cp.float32), cp.zeros(WS_COUNTERS, cp.int32)
+
+
+def workspace():
+    """(partials fp32 [WS_FLOATS], counters int32 [WS_COUNTERS], zero between launches) of the
+    current device, allocated on first use: call it once before capturing a CUDA graph."""
+    import cupy as cp
+    return _workspace(cp.cuda.Device().id)
+
+
 def _launch_gemm(fn: str, kernel: str, act, qweight, scales, out, bias, residual,
-                 t: int, n: int, k: int, ldx: int, bm: int | None, stages: int) -> None:
+                 t: int, n: int, k: int, ldx: int, bm: int | None, split: int | None,
+                 warps_m: int | None, stages: int) -> None:
+    where = f"ops_prefill.{fn}"
     _check(fn, "out", out, np.float16, (t, n))
     if bias is not None:
         _check(fn, "bias", bias, np.float16, (n,))
     if residual is not None:
         _check(fn, "residual", residual, np.float16, (t, n))      # may be `out` itself (in place)
     if t * ldx >= 2**31 or n * k // 8 >= 2**31:
-        raise LimitError(f"ops_prefill.{fn}", "T * row length", "< 2^31 elements (32-bit offsets)",
-                         f"T={t}, row {ldx}, N={n}, K={k}")
-    bm = bm or plan_bm(t, n)
+        raise LimitError(where, "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, row {ldx}, N={n}, K={k}")
+    plan_bm, plan_split = plan_gemm(t, n, k) if bm is None or split is None else (bm, split)
+    bm, split, warps_m = bm or plan_bm, split or plan_split, warps_m or GEMM_WARPS_M
     if bm not in GEMM_BM_CHOICES:
-        raise NanoqwenError(f"ops_prefill.{fn}", "bm", f"one of {GEMM_BM_CHOICES}", bm)
-    grid = (-(-t // bm), -(-n // GEMM_BN))
-    _gemm_kernel(kernel, bm, stages)(grid, (GEMM_THREADS,),
-                                     (act, qweight, scales, _ptr(bias), _ptr(residual), out,
-                                      np.int32(t), np.int32(n), np.int32(k)),
-                                     shared_mem=gemm_smem_bytes(bm, kernel.endswith("swiglu"), stages))
+        raise NanoqwenError(where, "bm", f"one of {GEMM_BM_CHOICES}", bm)
+    if warps_m not in (2, 4):
+        raise NanoqwenError(where, "warps_m", "2 or 4", warps_m)
+    tiles = -(-t // bm) * -(-n // GEMM_BN)
+    if not 1 <= split <= k // GEMM_BK:
+        raise NanoqwenError(where, "split", f"1 .. {k // GEMM_BK} (k-tiles of {GEMM_BK})", split)
+    ws, counters = workspace() if split > 1 else (None, None)
+    if split > 1 and (split * tiles * bm * GEMM_BN > WS_FLOATS or tiles > WS_COUNTERS):
+        raise LimitError(where, "split-K workspace", f"split * tiles * {bm * GEMM_BN} <= {WS_FLOATS} and "
+                         f"tiles <= {WS_COUNTERS}", f"split {split}, tiles {tiles}", "a smaller split")
+    grid = (-(-t // bm), -(-n // GEMM_BN), split)
+    _gemm_kernel(kernel, bm, warps_m, stages)(
+        grid, (GEMM_THREADS,),
+        (act, qweight, scales, _ptr(bias), _ptr(residual), out, np.int32(t), np.int32(n), np.int32(k),
+         _ptr(ws), _ptr(counters)),
+        shared_mem=gemm_smem_bytes(bm, kernel.endswith("swiglu"), stages))
 
 
-def gemm_int4(x, qweight, scales, out, bias=None, residual=None, *, bm=None, stages=GEMM_STAGES) -> None:
+def gemm_int4(x, qweight, scales, out, bias=None, residual=None, *, bm=None, split=None, warps_m=None,
+              stages=GEMM_STAGES) -> None:
     """out[T, N] = fp16(x W^T [+ bias] [+ residual]), FP32 accumulation. x fp16 [T, K];
-    qweight uint32 [N, K/8]; scales fp16 [N, K/128]; residual may be `out` (in place), x may not."""
+    qweight uint32 [N, K/8]; scales fp16 [N, K/128]; residual may be `out` (in place), x may not.
+    bm / split / warps_m override plan_gemm and GEMM_WARPS_M (tests, benchmark)."""
     n, k = _weights("gemm_int4", qweight, scales)
     t = _tokens("gemm_int4", "x", x)
     _check("gemm_int4", "x", x, np.float16, (t, k))
     _no_alias("gemm_int4", "out", out, x, "x")
-    _launch_gemm("gemm_int4", "nq_prefill_gemm", x, qweight, scales, out, bias, residual, t, n, k, k, bm, stages)
+    _launch_gemm("gemm_int4", "nq_prefill_gemm", x, qweight, scales, out, bias, residual, t, n, k, k,
+                 bm, split, warps_m, stages)
 
 
-def gemm_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, bm=None, stages=GEMM_STAGES) -> None:
+def gemm_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, bm=None, split=None,
+                     warps_m=None, stages=GEMM_STAGES) -> None:
     """out[T, N] = fp16(act W^T [+ residual]), act = fp16(silu(g) * u) formed per tile from
     gate_up fp16 [T, 2K] (gate columns, then up columns), K = qweight.shape[1] * 8."""
     n, k = _weights("gemm_int4_swiglu", qweight, scales)
@@ -150,7 +199,7 @@ def gemm_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None,
     _check("gemm_int4_swiglu", "gate_up", gate_up, np.float16, (t, 2 * k))
     _no_alias("gemm_int4_swiglu", "out", out, gate_up, "gate_up")
     _launch_gemm("gemm_int4_swiglu", "nq_prefill_gemm_swiglu", gate_up, qweight, scales, out, bias, residual,
-                 t, n, k, 2 * k, bm, stages)
+                 t, n, k, 2 * k, bm, split, warps_m, stages)
 
 
 def swiglu_act(gate_up, act) -> None:
@@ -163,7 +212,7 @@ def swiglu_act(gate_up, act) -> None:
     _check("swiglu_act", "gate_up", gate_up, np.float16, (t, 2 * inter))
     _check("swiglu_act", "act", act, np.float16, (t, inter))
     chunks = t * inter // 8
-    _gemm_kernel("nq_swiglu_act", 128, GEMM_STAGES)((-(-chunks // 256),), (256,),
+    _gemm_kernel("nq_swiglu_act", 128, GEMM_WARPS_M, GEMM_STAGES)((-(-chunks // 256),), (256,),
                                                     (gate_up, act, np.int32(t), np.int32(inter)))
 
 

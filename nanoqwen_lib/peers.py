@@ -66,13 +66,14 @@ def hf_fp16_peer(nq_file, prompt, gen_tokens, warmup=1) -> dict:
 
 def _int4pack(nq_file, name, torch, inner_k_tiles=8):
     """Our ValueShuffle INT4 -> tinygemm's packed int4 + scales_and_zeros (code + 8, zero 0)."""
-    from .quant import unpack_int4_value_shuffle
+    import cupy as cp
+    from .quant import _unpack_xp
     t = nq_file.model_tensors()
     base = name[: -len(".weight")]
-    codes = unpack_int4_value_shuffle(np.asarray(t[base + ".qweight"])).astype(np.int32) + 8   # [N, K] 0..15
-    u8 = torch.from_numpy(((codes[:, ::2] << 4) | codes[:, 1::2]).astype(np.uint8)).cuda()
+    codes = _unpack_xp(cp.asarray(t[base + ".qweight"]), cp).astype(cp.int32) + 8       # [N, K] 0..15
+    u8 = torch.from_dlpack(((codes[:, ::2] << 4) | codes[:, 1::2]).astype(cp.uint8))
     packed = torch.ops.aten._convert_weight_to_int4pack(u8, inner_k_tiles)
-    scales = torch.from_numpy(np.asarray(t[base + ".scales"]).astype(np.float32)).cuda()   # [N, K/g]
+    scales = torch.from_dlpack(cp.asarray(t[base + ".scales"]).astype(cp.float32))      # [N, K/g]
     sz = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1).to(torch.bfloat16).contiguous()
     return packed, sz
 
