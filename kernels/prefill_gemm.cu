@@ -44,9 +44,9 @@
 // code * scale of the numerics contract. Products and sums are FP32 from there on.
 //
 // Shared-memory banks: X rows are padded to 72 halves (144 B), so the 8 lanes of a
-// quarter-warp (rows g, g+1, chunks 2t+h) hit 8 distinct 16-byte bank groups. A W row is
-// two 16-byte chunks (words 0-3, 4-7); rows r with bit 2 set store them swapped, so the
-// word 2t+h of rows g and g+4 (8 words apart, same bank otherwise) land in different banks.
+// quarter-warp (rows g, g+1, chunks 2t+h) hit 8 distinct 16-byte bank groups. W rows are
+// 32 contiguous bytes and a lane reads its 8 bytes (words 2t, 2t+1) at once: the warp reads
+// 256 contiguous bytes, conflict-free.
 //
 // What it degrades to: rows of X beyond T and rows of W beyond N are zero-filled by
 // cp.async (src-size 0) and never stored; odd N stores element by element. The scale word
@@ -223,7 +223,7 @@ __device__ __forceinline__ Loader make_loader(const Problem& p, int m0, int n0) 
   L.w = (uint32_t)min(n0 + wr, p.N - 1) * (p.K / 8) + (tid & 1) * 4;
   L.s = (uint32_t)min(n0 + tid, p.N - 1) * (p.K / NQ_GROUP_SIZE);
   L.x_dst = (xr * XS + xc) * 2;
-  L.w_dst = W_OFF + (wr * WWORDS + (((tid & 1) ^ ((wr >> 2) & 1)) * 4)) * 4;   // chunk swap for rows with bit 2
+  L.w_dst = W_OFF + (wr * WWORDS + (tid & 1) * 4) * 4;
   L.s_dst = S_OFF + tid * 4;
   return L;
 }
@@ -266,58 +266,76 @@ __device__ __forceinline__ void act_in_place(uint32_t st, uint32_t u_sm, uint32_
 }
 
 // ---- consumer side: one k-tile of MMAs ---------------------------------------------------
-// Lane (g, t): weight rows warp_n*WN + 8j + g, token rows warp_m*WM + 16i + g (+8).
-// The word 2t+h of a W row sits in chunk t/2, swapped for rows with bit 2 set (g >= 4).
-__device__ __forceinline__ uint32_t w_word_addr(uint32_t st_addr, int warp_n, int g, int t, int j, int h) {
-  const int row = warp_n * WN + j * 8 + g;
-  const int chunk = (t >> 1) ^ ((g >> 2) & 1);
-  return st_addr + W_OFF + (row * WWORDS + chunk * 4 + ((2 * t + h) & 3)) * 4;
+// Lane (g, t): weight rows warp_n*WN + 8j + g, token rows warp_m*WM + 16i + g (+8). One
+// 8-byte load gives the lane both its words (2t, 2t+1) of a W row: the warp reads 8 rows x
+// 32 contiguous bytes, conflict-free.
+__device__ __forceinline__ uint2 lds64(uint32_t a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void mma_tile(const Problem& p, uint32_t st_addr, float (&acc)[MT][NT][4],
                                          int n0, int kt, int warp_m, int warp_n, int g, int t) {
   const int grp = (kt * BK) / NQ_GROUP_SIZE, G = p.K / NQ_GROUP_SIZE;
   const uint32_t s_addr = st_addr + S_OFF + (warp_n * WN + g) * 4;
+  const uint32_t w_addr = st_addr + W_OFF + ((warp_n * WN + g) * WWORDS + 2 * t) * 4;
   const uint32_t x_addr = st_addr + ((warp_m * WM + g) * XS + 16 * t) * 2;
   // Scale element (row, grp) sits in the upper half of its aligned word when row * G + grp
   // is odd; rows 8 apart share that parity, so one selector serves all NT rows of the lane.
   const uint32_t sel = (((n0 + warp_n * WN + g) * G + grp) & 1) ? 0x3232u : 0x1010u;
-  // (s, s) of n-tile j: re-read per use rather than held in NT registers across the tile.
-  auto scale2 = [&](int j) { return prmt(lds32(s_addr + j * 8 * 4), 0u, sel); };
+  auto scale2 = [&](int j) { return prmt(lds32(s_addr + j * 8 * 4), 0u, sel); };   // (s, s) of n-tile j
+  auto x_frag = [&](int i, int h, int r8) { return lds128(x_addr + ((i * 16 + r8) * XS + 8 * h) * 2); };
+  if constexpr (NT <= 4) {
+    // Few features per warp: hold the NT weight rows' words, dequantize all NT fragments of a
+    // half, then stream the m-tiles through them.
+    uint2 wv[NT];
+    uint32_t s2[NT];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if constexpr (NT <= 4) {
-      // Few features per warp: dequantize all NT weight fragments, then stream the m-tiles.
+    for (int j = 0; j < NT; ++j) {
+      wv[j] = lds64(w_addr + j * 8 * WWORDS * 4);
+      s2[j] = scale2(j);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
       uint32_t b[NT][4];                                     // pairs (k0+2i, k0+2i+1), k0 = 16t + 8h
 #pragma unroll
-      for (int j = 0; j < NT; ++j) dequant_word(lds32(w_word_addr(st_addr, warp_n, g, t, j, h)), scale2(j), b[j]);
+      for (int j = 0; j < NT; ++j) dequant_word(h ? wv[j].y : wv[j].x, s2[j], b[j]);
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        const uint4 lo = lds128(x_addr + (i * 16 * XS + 8 * h) * 2);          // row g
-        const uint4 hi = lds128(x_addr + ((i * 16 + 8) * XS + 8 * h) * 2);    // row g+8
+        const uint4 lo = x_frag(i, h, 0), hi = x_frag(i, h, 8);            // rows g, g+8
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           mma_16816(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);   // step s = 0
           mma_16816(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);   // step s = 1
         }
       }
-    } else {
-      // Many features per warp: hold the MT x-fragments, dequantize one n-tile at a time.
-      uint4 lo[MT], hi[MT];
+    }
+  } else {
+    // Many features per warp: hold the x fragments of both halves, dequantize one n-tile
+    // (both halves) at a time.
+    uint4 lo[2][MT], hi[2][MT];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        lo[i] = lds128(x_addr + (i * 16 * XS + 8 * h) * 2);
-        hi[i] = lds128(x_addr + ((i * 16 + 8) * XS + 8 * h) * 2);
+        lo[h][i] = x_frag(i, h, 0);
+        hi[h][i] = x_frag(i, h, 8);
       }
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        uint32_t b[4];
-        dequant_word(lds32(w_word_addr(st_addr, warp_n, g, t, j, h)), scale2(j), b);
+    for (int j = 0; j < NT; ++j) {
+      const uint2 w = lds64(w_addr + j * 8 * WWORDS * 4);
+      const uint32_t s = scale2(j);
+      uint32_t b[2][4];
+      dequant_word(w.x, s, b[0]);
+      dequant_word(w.y, s, b[1]);
 #pragma unroll
-        for (int i = 0; i < MT; ++i) mma_16816(acc[i][j], lo[i].x, hi[i].x, lo[i].y, hi[i].y, b[0], b[1]);
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int i = 0; i < MT; ++i) mma_16816(acc[i][j], lo[i].z, hi[i].z, lo[i].w, hi[i].w, b[2], b[3]);
-      }
+        for (int i = 0; i < MT; ++i) {
+          mma_16816(acc[i][j], lo[h][i].x, hi[h][i].x, lo[h][i].y, hi[h][i].y, b[h][0], b[h][1]);
+          mma_16816(acc[i][j], lo[h][i].z, hi[h][i].z, lo[h][i].w, hi[h][i].w, b[h][2], b[h][3]);
+        }
     }
   }
 }

@@ -110,13 +110,13 @@ class GpuBackend:
         self.scalar = {n: a["s.scalars"][k * SCALAR_STRIDE:k * SCALAR_STRIDE + 1] for k, n in enumerate(SCALARS)}
         self.staging = cp.cuda.alloc_pinned_memory(a["s.scalars"].nbytes)   # host -> scalars
         self.host_scalars = np.frombuffer(self.staging, np.int32, a["s.scalars"].size)
+        self.workspace = ops_attention.AttentionWorkspace(dims, self.max_tokens)
+        self.kv = a["kv"]
+        self.pages = a["s.block_table"].size
         # One pinned slot per position for tokens the host feeds (the prompt): an async copy
         # reads its source when it runs, so a slot is never rewritten while a copy may be pending.
         self.token_staging = cp.cuda.alloc_pinned_memory(4 * self.pages * KV.page_tokens)
         self.host_tokens = np.frombuffer(self.token_staging, np.int32, self.pages * KV.page_tokens)
-        self.workspace = ops_attention.AttentionWorkspace(dims, self.max_tokens)
-        self.kv = a["kv"]
-        self.pages = a["s.block_table"].size
         step = load_module("engine_step", dims)
         self.k_begin, self.k_end = step.get_function("nq_step_begin"), step.get_function("nq_step_end")
         self.stream = cp.cuda.Stream(non_blocking=True)

@@ -89,45 +89,62 @@ def torch_peer(t, n, k, warmup, reps):
     return float(np.median(times))
 
 
-def bench_gemms(dims, t, rng, warmup, reps):
+def gemm_configs(t, n, k):
+    """Launch configs to time: every build at split 1, split-K 2..4 on the small-N shapes,
+    and the plan's choice (ops_prefill.plan_gemm)."""
+    cfgs = [dict(bm=bm, warps_m=w, split=1) for bm in ops_prefill.GEMM_BM_CHOICES for w in (2, 4)]
+    if n <= 8192:
+        cfgs += [dict(bm=64, warps_m=w, split=s) for w in (2, 4) for s in (2, 3, 4)]
+    bm, split = ops_prefill.plan_gemm(t, n, k)
+    planned = dict(bm=bm, warps_m=ops_prefill.GEMM_WARPS_M, split=split)
+    return ([planned] if planned not in cfgs else []) + cfgs, planned
+
+
+def cfg_name(c):
+    return f"bm{c['bm']} w{c['warps_m']} s{c['split']}"
+
+
+def bench_gemms(dims, t, rng, warmup, reps, only=None):
     import cupy as cp
     h, inter = dims.hidden, dims.intermediate
     shapes = {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * inter, h),
               "down": (h, inter)}
     rows, best = [], {}
     for proj, (n, k) in shapes.items():
+        if only and proj != only:
+            continue
         words, scales = rand_int4(rng, n, k)
         out = rand16(rng, (t, n))
         x = rand16(rng, (t, k))
         bias = rand16(rng, (n,)) if proj == "qkv" else None
         res = out if proj in ("o_proj", "down") else None
+        cfgs, planned = gemm_configs(t, n, k)
         cands = {}
-        for bm in ops_prefill.GEMM_BM_CHOICES:
-            us = median_us(lambda: ops_prefill.gemm_int4(x, words, scales, out, bias=bias, residual=res, bm=bm),
+        for c in cfgs:
+            us = median_us(lambda: ops_prefill.gemm_int4(x, words, scales, out, bias=bias, residual=res, **c),
                            warmup, reps)
-            cands[f"{proj} bm{bm}"] = us
-            rows.append(gemm_row(f"{proj} bm{bm}", us, t, n, k))
+            cands[f"{proj} {cfg_name(c)}"] = us
+            rows.append(gemm_row(f"{proj} {cfg_name(c)}" + (" *plan" if c == planned else ""), us, t, n, k))
         if proj == "down":
             gate_up = rand16(rng, (t, 2 * k), 2.0)
             act = cp.empty((t, k), cp.float16)
-            for bm in ops_prefill.GEMM_BM_CHOICES:
-                us = median_us(lambda: ops_prefill.gemm_int4_swiglu(gate_up, words, scales, out, residual=out, bm=bm),
+            fused = {}
+            for c in [planned] + [c for c in cfgs if c["split"] == 1 and c != planned]:
+                us = median_us(lambda: ops_prefill.gemm_int4_swiglu(gate_up, words, scales, out, residual=out, **c),
                                warmup, reps)
-                cands[f"down swiglu-fused bm{bm}"] = us
-                rows.append(gemm_row(f"down swiglu-fused bm{bm}", us, t, n, k, t * k * 2))
+                fused[f"down fused {cfg_name(c)}"] = us
+                rows.append(gemm_row(f"down fused {cfg_name(c)}", us, t, n, k, t * k * 2))
             us_act = median_us(lambda: ops_prefill.swiglu_act(gate_up, act), warmup, reps)
             rows.append({"op": "swiglu_act", "us": us_act, "tflops": 0.0, "pct_peak": 0.0,
                          "gbs": t * k * 6 / us_act / 1e3, "pct_bw": 100 * t * k * 6 / us_act / 1e6 / READ_TBPS})
-            bm_plain = min(ops_prefill.GEMM_BM_CHOICES, key=lambda b: cands[f"down bm{b}"])
-            cands[f"down act+gemm bm{bm_plain}"] = us_act + cands[f"down bm{bm_plain}"]
-            for key in [c for c in cands if c.startswith("down bm")]:
-                cands.pop(key)          # the layer needs the SwiGLU input: fused, or act + gemm
-        planned = ops_prefill.plan_bm(t, n)
-        peer = torch_peer(t, n, k, warmup, reps)
-        if peer:
-            rows.append(gemm_row(f"{proj} torch fp16 (peer)", peer, t, n, k) | {"peer": True})
+            plain = min(cands, key=cands.get)                      # the best plain GEMM on act
+            cands = dict(fused) | {f"act + {plain}": us_act + cands[plain]}
+        if not only:
+            peer = torch_peer(t, n, k, warmup, reps)
+            if peer:
+                rows.append(gemm_row(f"{proj} torch fp16 (peer)", peer, t, n, k) | {"peer": True})
         choice = min(cands, key=cands.get)
-        best[proj] = (choice, cands[choice], planned)
+        best[proj] = (choice, cands[choice], cfg_name(planned))
     return rows, best
 
 
@@ -159,12 +176,15 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--only", default=None, help="one GEMM (qkv, o_proj, gate_up, down), no attention: for ncu")
     args = ap.parse_args(argv)
     import cupy as cp
     dims = config.load().model("7b")
     rng = np.random.default_rng(0)
     t = args.tokens
-    rows, best = bench_gemms(dims, t, rng, args.warmup, args.reps)
+    rows, best = bench_gemms(dims, t, rng, args.warmup, args.reps, args.only)
+    if args.only:
+        return
     attn_rows, us_attn = bench_attention(dims, t, rng, args.warmup, args.reps)
     rows += attn_rows
     layer_us = sum(us for _, us, _ in best.values()) + us_attn
@@ -174,7 +194,7 @@ def main(argv=None):
     for r in rows:
         print(f"{r['op']:28s} {r['us']:9.1f} {r['tflops']:8.1f} {r['pct_peak']:6.1f} {r['gbs']:7.0f} {r['pct_bw']:5.1f}")
     for proj, (choice, us, planned) in best.items():
-        print(f"layer uses {proj:8s}: {choice:26s} {us:8.1f} us   (plan_bm picks bm{planned})")
+        print(f"layer uses {proj:8s}: {choice:30s} {us:8.1f} us   (plan_gemm picks {planned})")
     print(f"per layer {layer_us:.1f} us; x {dims.num_layers} layers = {layer_us * dims.num_layers / 1e3:.2f} ms "
           f"(prefill GEMMs + attention; TTFT estimate without norms / embedding / lm_head)")
     if args.json:
