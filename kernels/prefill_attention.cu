@@ -3,7 +3,7 @@
 //                             page slots of the paged cache (positions start_pos .. start_pos+T-1)
 //   nq_prefill_attention      out fp16 [T, heads*d] = softmax(q k^T / sqrt(d) + causal mask) v, K and V
 //                             read from the paged cache (GQA: head h reads KV head h / (heads/kv_heads))
-// nq-variants: NQ_PA_WARPS=4
+// (no extra-define variants: d = 64 / 128 come from the model dims)
 //
 // Tuned for the 7B at T = 512 (28 heads, 4 KV heads, d = 128) on an H200; d = 64 builds too.
 //
@@ -13,7 +13,7 @@
 // rounded separately (__fmul_rn, __fsub_rn: no FMA contraction), then once to fp16.
 //
 // Attention (FlashAttention-2 style, mma.sync m16n8k16, FP32 softmax). A CTA owns one query
-// head and a tile of 64 queries; NQ_PA_WARPS = 4 warps own 16 query rows each. The CTA walks
+// head and a tile of 64 queries; 4 warps own 16 query rows each. The CTA walks
 // the KV tiles of 64 keys that its queries can see (causal: keys <= the query's position),
 // double-buffered in shared memory by cp.async. Per tile, per warp:
 //   S = Q K^T                        (fp32 accumulators, 16 x 64)
@@ -33,10 +33,6 @@
 #ifndef NQ_HEAD_DIM
 #error "prefill_attention.cu needs the model dims (cuda_defines(dims))"
 #endif
-#ifndef NQ_PA_WARPS
-#define NQ_PA_WARPS 4
-#endif
-static_assert(NQ_PA_WARPS == 4, "a 64-query tile is 4 warps of 16 rows");
 
 namespace pa {
 
@@ -44,7 +40,7 @@ constexpr int D = NQ_HEAD_DIM;
 constexpr int HALF_D = D / 2;
 constexpr int BQ = 64;                         // queries per CTA
 constexpr int BKV = 64;                        // keys per tile
-constexpr int WARPS = NQ_PA_WARPS;
+constexpr int WARPS = 4;                       // 16 query rows each
 constexpr int THREADS = 32 * WARPS;
 constexpr int CHUNKS = D / 8;                  // 16-byte chunks per row
 constexpr int TILE = BKV * D;                  // halves in one K (or V) tile

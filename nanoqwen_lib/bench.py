@@ -21,6 +21,11 @@ from .layout import bytes_per_decode_token
 
 
 def _git_commit() -> str:
+    """The commit measured: NANOQWEN_GIT_COMMIT when set (a copy of the tree without .git,
+    as on the device machine), else git's HEAD."""
+    import os
+    if os.environ.get("NANOQWEN_GIT_COMMIT"):
+        return os.environ["NANOQWEN_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"

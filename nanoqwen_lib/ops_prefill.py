@@ -6,7 +6,7 @@ Per layer, for a prompt of T tokens at positions start_pos .. start_pos+T-1 (the
     prefill_attention(q, k_pool, v_pool, block_table, attn, dims)         attn [T, heads*d]
     gemm_int4(attn, o.qweight, o.scales, x, residual=x)                   x += W_o attn (in place)
     gemm_int4(y, gate_up.qweight, gate_up.scales, gate_up_out)            [T, 2I]
-    gemm_int4_swiglu(gate_up_out, down.qweight, down.scales, x, residual=x)
+    gemm_int4_swiglu(gate_up_out, down.qweight, down.scales, x, residual=x, act=act)   act [T, I] scratch
 
 Attention reads K and V from the paged cache, the same place decode reads them: the RoPE
 kernel writes them there, so no contiguous K/V copy exists (k_pool / v_pool are one layer's
@@ -190,14 +190,22 @@ def gemm_int4(x, qweight, scales, out, bias=None, residual=None, *, bm=None, spl
                  bm, split, warps_m, stages)
 
 
-def gemm_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, bm=None, split=None,
+def gemm_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, act=None, bm=None, split=None,
                      warps_m=None, stages=GEMM_STAGES) -> None:
-    """out[T, N] = fp16(act W^T [+ residual]), act = fp16(silu(g) * u) formed per tile from
-    gate_up fp16 [T, 2K] (gate columns, then up columns), K = qweight.shape[1] * 8."""
+    """out[T, N] = fp16(act W^T [+ residual]), act = fp16(silu(g) * u) of gate_up fp16 [T, 2K]
+    (gate columns, then up columns), K = qweight.shape[1] * 8. Without `act` the kernel forms
+    act tile by tile (nothing in memory); with an `act` buffer fp16 [T, K] it runs swiglu_act
+    into it and then gemm_int4: the same bits, and faster at T = 512 (PERFLOG.md, prefill:
+    the fused kernel recomputes act once per 128 output columns)."""
     n, k = _weights("gemm_int4_swiglu", qweight, scales)
     t = _tokens("gemm_int4_swiglu", "gate_up", gate_up)
     _check("gemm_int4_swiglu", "gate_up", gate_up, np.float16, (t, 2 * k))
     _no_alias("gemm_int4_swiglu", "out", out, gate_up, "gate_up")
+    if act is not None:
+        swiglu_act(gate_up, act)
+        gemm_int4(act, qweight, scales, out, bias=bias, residual=residual, bm=bm, split=split, warps_m=warps_m,
+                  stages=stages)
+        return
     _launch_gemm("gemm_int4_swiglu", "nq_prefill_gemm_swiglu", gate_up, qweight, scales, out, bias, residual,
                  t, n, k, 2 * k, bm, split, warps_m, stages)
 

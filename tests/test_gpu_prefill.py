@@ -96,6 +96,14 @@ def gemm_refs(x64, words, scales, bias, residual, dx=None, rows=4096):
     return out16, exact, absdot, dxdot
 
 
+def fits_workspace(t, n, cfg):
+    """A forced split-K config whose partial tiles fit ops_prefill's workspace (else the
+    launcher raises LimitError, tested in test_gemm_rejects_bad_buffers)."""
+    bm, split = cfg.get("bm", 64), cfg.get("split", 1)
+    return split == 1 or split * -(-t // bm) * -(-n // ops_prefill.GEMM_BN) * bm * ops_prefill.GEMM_BN \
+        <= ops_prefill.WS_FLOATS
+
+
 def run_gemm(rng, t, n, k, *, bias=False, residual=False, swiglu=False, configs=({},), weights=None):
     """One random problem, one float64 reference, checked for each launch config (bm, split,
     warps_m; {} = the launcher's plan). The output is re-poisoned (and the in-place residual
@@ -122,7 +130,7 @@ def run_gemm(rng, t, n, k, *, bias=False, residual=False, swiglu=False, configs=
     exact_bound = U16 * cp.abs(exact) + (2.0 ** -11 + acc) * absdot + dxdot + TINY16
     out = cp.empty((t, n), dtype=cp.float16)
     worst = 0.0
-    for cfg in configs:
+    for cfg in [c for c in configs if fits_workspace(t, n, c)]:
         out.fill(np.nan)
         if residual:                                # in place: the residual is the output buffer
             out[...] = res
@@ -194,6 +202,10 @@ def test_swiglu_fused_equals_unfused(rng):
     want = ref.swiglu(gate_up.astype(cp.float32)).astype(cp.float16)
     assert int((act.view(cp.uint16) != want.view(cp.uint16)).sum()) <= t * k // 1000, "act differs from the reference"
     assert cp.array_equal(fused.view(cp.uint16), unfused.view(cp.uint16))
+    via_buffer = cp.full((t, n), np.nan, dtype=cp.float16)          # gemm_int4_swiglu(act=...): the same two launches
+    act.fill(np.nan)
+    ops_prefill.gemm_int4_swiglu(gate_up, words, scales, via_buffer, bm=64, act=act)
+    assert cp.array_equal(via_buffer.view(cp.uint16), unfused.view(cp.uint16))
 
 
 def test_gemm_rejects_bad_buffers(rng):
@@ -206,6 +218,10 @@ def test_gemm_rejects_bad_buffers(rng):
         ops_prefill.gemm_int4(x, words, scales, cp.empty((4, 127), cp.float16))
     with pytest.raises(Exception, match="data.ptr"):
         ops_prefill.gemm_int4(x, words, scales, cp.empty(4 * 128 + 8, cp.float16)[8:].reshape(4, 128))
+    words, scales = rand_int4(rng, 128, 4096)                       # 64 k-tiles, 64 token tiles
+    big = rand16(rng, (4096, 4096))
+    with pytest.raises(Exception, match="split-K workspace"):      # 64 slices x 64 tiles x 8192 floats
+        ops_prefill.gemm_int4(big, words, scales, cp.empty((4096, 128), cp.float16), bm=64, split=64)
 
 
 # ---------------------------------------------------------------- RoPE + KV write, attention
