@@ -31,6 +31,7 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 }  // namespace nq
 
+// [rmsnorm]
 // x, w, out fp16 [H], H a multiple of 8; grid 1, block NQ_DECODE_THREADS. out may not alias x.
 extern "C" __global__ void __launch_bounds__(nq::kDecThreads)
 nq_rmsnorm(const half* __restrict__ x, const half* __restrict__ w, half* __restrict__ out, int H, float eps) {
@@ -61,6 +62,7 @@ nq_rmsnorm(const half* __restrict__ x, const half* __restrict__ w, half* __restr
     reinterpret_cast<uint4*>(out)[c] = o;
   }
 }
+// [/rmsnorm]
 
 // token int32 [1] (device), table fp16 [V, H], out fp16 [H]; H a multiple of 8.
 // A token outside [0, V) fills out with NaN, so a bad id cannot pass silently.

@@ -62,6 +62,7 @@ constexpr int kGroupWords = NQ_GROUP_SIZE / 8;                 // 16 uint32 per 
 constexpr int kSmemGroupHalves = NQ_GROUP_SIZE + NQ_GROUP_SIZE / 4;   // 160
 
 // ---- bit tricks ------------------------------------------------------------------------
+// [unpack]
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -94,7 +95,9 @@ __device__ __forceinline__ void unpack_int4x8_half2(uint32_t w, uint32_t (&p)[4]
   p[2] = hsub2((w_hi & 0x000F000Fu) ^ kMagicLo, kMagicLo);   // (w4, w5)
   p[3] = hsub2((w_hi & 0x00F000F0u) ^ kMagicHi, kMagicHi);   // (w6, w7)
 }
+// [/unpack]
 
+// [mma]
 // D += A.B, m16n8k16, fp16 inputs, fp32 accumulators. A rows are weight rows (g, g+8), the
 // 16 k-slots are whatever k the lanes agree on (slot 2t,2t+1 / 2t+8,2t+9 belong to lane t
 // in A and B alike), B's 8 columns all hold x, so c[0] (row g) and c[2] (row g+8) are the
@@ -105,7 +108,9 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// [/mma]
 
+// [loads]
 // Weights are read exactly once per token: keep them out of L1.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   uint4 v;
@@ -143,6 +148,7 @@ __device__ __forceinline__ void load_rows(GroupRegs& r, const uint32_t* __restri
       r.s[m][h] = __half2float(scales[(size_t)row * q.G + grp]);
     }
 }
+// [/loads]
 
 __device__ __forceinline__ void load_group(GroupRegs& r, const uint32_t* __restrict__ qw,
                                            const half* __restrict__ scales, const Geometry& q, int grp) {
@@ -163,6 +169,7 @@ __device__ __forceinline__ void load_group_or_zero(GroupRegs& r, const uint32_t*
 }
 
 // ---- paths: how x reaches shared memory and how one group is multiplied ----------------
+// [prmt-group]
 struct PrmtMmaPath {
   // x: the lane's 32 halves of this group in padded shared memory (16-byte aligned).
   static __device__ __forceinline__ int smem_offset_bytes(int local_group, int t) {
@@ -192,7 +199,9 @@ struct PrmtMmaPath {
   // Every lane of a row's quad holds the full sum already (B's columns are equal).
   static __device__ __forceinline__ void finish(float (&)[kMTiles][2]) {}
 };
+// [/prmt-group]
 
+// [dp4a-group]
 struct Dp4aPath {
   // xq: the lane's 32 int8 of this group (dp4a byte order, see nq_quantize_act_int8).
   static __device__ __forceinline__ int smem_offset_bytes(int local_group, int t) {
@@ -234,6 +243,7 @@ struct Dp4aPath {
       }
   }
 };
+// [/dp4a-group]
 
 // ---- staging: the CTA's K range of activations into shared memory ----------------------
 // Plain: copy x, 16 bytes at a time, into the padded layout (chunk c -> c + c/4).
@@ -243,6 +253,7 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const half* __restric
   for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) dst[c + c / 4] = src[c];
 }
 
+// [swiglu]
 // silu(g) * u in fp32: expf (2 ulp) and __fdividef (2 ulp; exact IEEE division is a long
 // subroutine). The clamp keeps 1 + e^-g below 2^126, where __fdividef returns 0: for
 // g < -88 silu(g) is below 1e-36 and rounds to fp16 0 either way.
@@ -268,6 +279,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
     dst[c + c / 4] = av;
   }
 }
+// [/swiglu]
 
 // INT8 activations: a plain copy (no padding: 32-byte lane runs are conflict-free).
 __device__ __forceinline__ void stage_xq(unsigned char* xs, const int8_t* __restrict__ xq, const Geometry& q) {
@@ -277,6 +289,7 @@ __device__ __forceinline__ void stage_xq(unsigned char* xs, const int8_t* __rest
 }
 
 // ---- the body shared by the three GEMVs ------------------------------------------------
+// [epilogue]
 struct Epilogue {
   half* out; const half* bias; const half* residual;   // bias / residual may be null
   float* ws; int* counters; int ksplit;
@@ -290,6 +303,7 @@ __device__ __forceinline__ void store_row(const Epilogue& e, int row, float dot)
   if (e.residual) v = __half2float(e.residual[row]) + v;
   e.out[row] = __float2half_rn(v);
 }
+// [/epilogue]
 
 template <class Path, class Stage>
 __device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __restrict__ qw,
@@ -342,6 +356,7 @@ __device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __
     }
   };
 
+  // [main-loop]
   // The first batch's weight loads fly while the CTA stages its activations.
   if (batches > 0) load_batch(ra, 0);
   stage(xs, q);
@@ -357,6 +372,7 @@ __device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __
     }
   }
   Path::finish(acc);
+  // [/main-loop]
 
   if (q.t == 0)
 #pragma unroll
@@ -520,6 +536,7 @@ __device__ __forceinline__ void gemv_stream_body(const Stage& stage, const uint3
 #endif  // NQ_GEMV_MTILES == 1
 }  // namespace nq
 
+// [entry]
 // grid (ceil(N / (16*MTILES)), ksplit), block 32*WARPS, dynamic smem ceil(G/ksplit)*320 B.
 extern "C" __global__ void __launch_bounds__(nq::kThreads, NQ_GEMV_MIN_CTAS)
 nq_gemv_int4(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
@@ -528,6 +545,7 @@ nq_gemv_int4(const half* __restrict__ x, const uint32_t* __restrict__ qw, const 
   nq::gemv_body<nq::PrmtMmaPath>(nq::StageX{x}, qw, scales, nullptr,
                                  nq::Epilogue{out, bias, residual, ws, counters, ksplit}, N, K);
 }
+// [/entry]
 
 // gate_up fp16 [2K] (gate rows then up rows); K = intermediate. Same grid as nq_gemv_int4.
 extern "C" __global__ void __launch_bounds__(nq::kThreads, NQ_GEMV_MIN_CTAS)

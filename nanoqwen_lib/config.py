@@ -137,6 +137,10 @@ class ModelDims:
 
     def check_supported(self, source="config") -> None:
         sup = load().supported
+        for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(source, name, "a positive integer", v)
         if self.head_dim not in sup.head_dims:
             raise ConfigError(source, "head_dim", f"one of {list(sup.head_dims)}", self.head_dim)
         if self.num_heads % self.num_kv_heads:

@@ -23,6 +23,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2 import modeling_qwen2 as hf_qwen2  # noqa: E402
 
+from nanoqwen_lib.oracle import hf_model  # noqa: E402
+
 CONFIGS = ("tiny", "tiny-hd64")
 LOGIT_STD = 8.0   # confident logits: top-2 gaps are mostly far above FP16 noise
 MEASURED = {}     # what the tests measured (max errors, agreement), printed at the end (pytest -s)
@@ -60,25 +62,6 @@ def synthetic_weights(dims, seed):
         a = (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
         packed[name], hf[name] = a, torch.from_numpy(a.astype(np.float32))
     return packed, hf
-
-
-def hf_model(dims, state):
-    """Qwen2ForCausalLM from dims.to_hf_config(), built on the meta device (no init of
-    152064-row matrices) and given our tensors with assign=True."""
-    cfg = transformers.Qwen2Config(**dims.to_hf_config(), attn_implementation="eager")
-    assert cfg.rope_parameters["rope_theta"] == dims.rope_theta, cfg.rope_parameters
-    with torch.device("meta"):
-        model = transformers.Qwen2ForCausalLM(cfg)
-    result = model.load_state_dict(state, assign=True, strict=False)
-    assert not result.unexpected_keys, result
-    assert result.missing_keys == (["lm_head.weight"] if dims.tie_embeddings else []), result
-    model.model.rotary_emb = hf_qwen2.Qwen2RotaryEmbedding(cfg)   # non-persistent buffers
-    if dims.tie_embeddings:
-        model.tie_weights()
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    assert not meta, meta
-    return model.eval()
 
 
 @functools.lru_cache(maxsize=None)
