@@ -13,11 +13,23 @@ torch and transformers are imported inside the functions: they are test-time too
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .errors import CheckpointError
 from .layout import hf_tensors, is_quantized
 from .quant import dequantize_int4
+
+
+def _transformers():
+    """-> (transformers, its modeling_qwen2). transformers imports tqdm.auto, which warns
+    on stderr in a notebook without ipywidgets: output that would differ between machines."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        import transformers
+        from transformers.models.qwen2 import modeling_qwen2
+    return transformers, modeling_qwen2
 
 
 def hf_state_from_packed(dims, tensors) -> dict:
@@ -48,8 +60,8 @@ def hf_model(dims, state):
     tensors with assign=True; RoPE's inverse frequencies are a non-persistent buffer, so
     the rotary module is rebuilt on the CPU. Every parameter must come from `state`."""
     import torch
-    import transformers
-    from transformers.models.qwen2 import modeling_qwen2 as hf_qwen2
+
+    transformers, hf_qwen2 = _transformers()
 
     cfg = transformers.Qwen2Config(**dims.to_hf_config(), attn_implementation="eager")
     if cfg.rope_parameters["rope_theta"] != dims.rope_theta:

@@ -72,3 +72,34 @@ def bytes_bars(bars: dict[str, dict[str, int]], title: str = "", unit: float = 1
     if title:
         ax.set_title(title)
     return ax
+
+
+def grouped_barh(groups: dict[str, dict[str, float]], xlabel: str, title: str = "",
+                 vline: float | None = None, vline_label: str = "", ax=None):
+    """Horizontal grouped bars: one group per label (top to bottom), one bar per series.
+
+    groups: label -> {series -> value}; every group names the same series, in the same
+    order. vline draws a dashed reference (a ceiling, a floor) across the plot. Returns the
+    Axes.
+    """
+    import matplotlib.pyplot as plt
+
+    series = list(next(iter(groups.values())))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8.0, 1.0 + 0.45 * len(groups) * max(1, len(series)) ** 0.5))
+    height = 0.8 / len(series)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for s, name in enumerate(series):
+        ys = [y + (s - (len(series) - 1) / 2) * height for y in range(len(groups))]
+        ax.barh(ys, [parts[name] for parts in groups.values()], height=height * 0.95,
+                color=colors[s % len(colors)], label=name)
+    if vline is not None:
+        ax.axvline(vline, color="k", linestyle="--", linewidth=1, label=vline_label or None)
+    ax.set_yticks(range(len(groups)), list(groups))
+    ax.invert_yaxis()  # first group on top
+    ax.set_xlabel(xlabel)
+    ax.grid(axis="y", visible=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    if title:
+        ax.set_title(title)
+    return ax
