@@ -13,6 +13,12 @@ for what in "$@"; do
       f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b'))")
       peers=""; [ $what = bench-peers ] && peers=--peers
       python3 -m nanoqwen_lib bench "$f" --no-verify $peers --json $OUT/bench.json 2>&1 | tee $OUT/bench.log | grep -v '^\[' ;;
+    gpu-chapters)
+      for nb in book/04-int4-gemv.ipynb book/07-decoder-layer.ipynb book/06-paged-attention.ipynb; do
+        timeout 200 jupyter execute --inplace "$nb" >$OUT/$(basename $nb .ipynb).log 2>&1 && echo "executed $nb" || echo "EXEC FAILED $nb"
+        tar czf $OUT/gpu-notebooks.tgz book/0[467]-*.ipynb
+      done ;;
+    unverified-tests) timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_gemv.py tests/test_gpu_prefill.py 2>&1 | tee $OUT/unverified.log | tail -6 ;;
     book)
       for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done
       tar czf $OUT/notebooks.tgz book/*.ipynb
