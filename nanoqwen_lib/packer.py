@@ -56,7 +56,7 @@ def pack_checkpoint(ckpt_dir, out_path, progress: bool = True, include_tokenizer
     _, _, total = plan_layout(ckpt.dims, None if tok is None else len(tok))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm  # the console bar: no ipywidgets needed in notebooks
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"pack {Path(out_path).name}")
     try:
         return write_nanoqwen(out_path, ckpt.dims, _Producer(ckpt), tok,

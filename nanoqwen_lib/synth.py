@@ -171,7 +171,7 @@ def write_metadata_files(dims: ModelDims, out_dir: Path) -> None:
 def synthesize(dims: ModelDims, seed: int, out_dir, shard_bytes: int | None = None,
                progress: bool = True, workers: int | None = None) -> Path:
     """Write a synthetic checkpoint of `dims` into out_dir (created); returns out_dir."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # the console bar: no ipywidgets needed in notebooks
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = plan_shards(dims, shard_bytes)

@@ -15,7 +15,7 @@ def packed_synthetic(dims_name: str = "tiny", seed: int = 0, progress: bool = Fa
     """The .nanoqwen file of the synthetic `dims_name` checkpoint, packed once and cached."""
     out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}.nanoqwen"
     if not out.exists():
-        pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed), out, progress=progress)
+        pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed, progress=progress), out, progress=progress)
     return out
 
 
@@ -61,7 +61,7 @@ def packed_synthetic_direct(dims_name: str = "7b", seed: int = 0, progress: bool
         dims = load().model(dims_name)
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from tqdm import tqdm  # the console bar: no ipywidgets needed in notebooks
             from .fileformat import plan_layout
             bar = tqdm(total=plan_layout(dims)[2], unit="B", unit_scale=True, desc=out.name)
         write_nanoqwen(out, dims, _direct_producer(dims, seed), progress=bar.update if bar else None)
