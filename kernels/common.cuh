@@ -35,3 +35,21 @@ static_assert(NQ_NUM_HEADS % NQ_NUM_KV_HEADS == 0, "GQA: query heads per KV head
 static_assert(NQ_HIDDEN % NQ_GROUP_SIZE == 0, "hidden is whole groups");
 static_assert(NQ_INTERMEDIATE % NQ_GROUP_SIZE == 0, "intermediate is whole groups");
 #endif
+
+// ---- PTX wrappers shared by the INT4 kernels (decode GEMV and prefill GEMM) -------------
+namespace nqptx {
+// [ptx-wrappers]
+// d = the four bytes of {b, a} picked by the four selector nibbles of sel.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+// Two fp16 subtractions in one instruction, round to nearest.
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// [/ptx-wrappers]
+}  // namespace nqptx

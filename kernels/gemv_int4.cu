@@ -63,18 +63,8 @@ constexpr int kSmemGroupHalves = NQ_GROUP_SIZE + NQ_GROUP_SIZE / 4;   // 160
 
 // ---- bit tricks ------------------------------------------------------------------------
 // [unpack]
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
+using nqptx::prmt;   // the PTX wrappers of common.cuh
+using nqptx::hsub2;
 // One ValueShuffle word -> four half2 (w0,w1) (w2,w3) (w4,w5) (w6,w7), exact signed codes.
 // The word's 16-bit halves hold w0 w2 w4 w6 (low) and w1 w3 w5 w7 (high), 4 bits each, so
 // one mask picks the same nibble of both halves: a consecutive pair at once.

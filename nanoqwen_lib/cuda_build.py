@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import os
 import site
-import subprocess
 from pathlib import Path
 
 from .config import ModelDims, cuda_defines

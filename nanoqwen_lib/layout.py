@@ -73,3 +73,10 @@ def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0) -> dict[str
         "norms_and_biases": small,
         "kv_cache": 2 * dims.num_layers * dims.kv_dim * kvb * context_tokens,
     }
+
+
+def decode_gemv_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
+    """The four INT4 GEMVs of a layer as the engine launches them: name -> (N, K).
+    q/k/v are stacked into one qkv matrix and gate/up into one gate_up matrix."""
+    h, i = dims.hidden, dims.intermediate
+    return {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * i, h), "down": (h, i)}

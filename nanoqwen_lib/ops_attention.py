@@ -21,6 +21,7 @@ import numpy as np
 
 from . import cuda_build, kvcache
 from .config import ModelDims, load
+from .reference import rope_inv_freq  # one table for kernels and reference (same bits)
 
 ALIGN = load().format.alignment
 ATTN_THREADS = 32 * (1 + 4)      # kernels/paged_attention.cu THREADS: producer warp + 4 consumer warps
@@ -29,13 +30,6 @@ ATTN_THREADS = 32 * (1 + 4)      # kernels/paged_attention.cu THREADS: producer 
 # attention"); 96 (3 CTAs per SM, one wave) was no faster, 128 slower (a second wave).
 DEFAULT_MAX_SPLITS = 64
 MAX_SPLITS_COMBINE = 1024        # kernels/paged_attention.cu: the combine stages <= 1024 splits
-
-
-def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
-    """inv_freq[i] = 1 / theta^(2i/d), float32 [d/2]: reference.rope_tables' expression, so the
-    kernel and the reference share these bits."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
 
 
 def check_buffer(name: str, a, dtype, shape) -> None:

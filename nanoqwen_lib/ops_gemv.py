@@ -17,9 +17,9 @@ import numpy as np
 from . import cuda_build
 from .config import load
 from .errors import LimitError, NanoqwenError
+from .launch_checks import check_device_buffer, check_no_alias, device_ptr
 
 GROUP = load().format.group_size
-ALIGN = load().format.alignment
 
 # Tuning knobs, passed as -D defines (the kernels' own #ifndef defaults mirror these).
 GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1,
@@ -85,28 +85,14 @@ def workspace() -> Workspace:
 
 # ---- argument checks ----------------------------------------------------------------------
 def _check(fn: str, field: str, a, dtype, shape: tuple) -> None:
-    import cupy as cp
-    where = f"ops_gemv.{fn}"
-    if not isinstance(a, cp.ndarray):
-        raise NanoqwenError(where, field, "a cupy.ndarray", type(a).__name__)
-    if a.dtype != np.dtype(dtype):
-        raise NanoqwenError(where, field + ".dtype", np.dtype(dtype).name, a.dtype.name)
-    if tuple(a.shape) != tuple(shape):
-        raise NanoqwenError(where, field + ".shape", tuple(shape), tuple(a.shape))
-    if not a.flags.c_contiguous:
-        raise NanoqwenError(where, field, "a C-contiguous array", f"strides {a.strides}")
-    if a.data.ptr % ALIGN:
-        raise NanoqwenError(where, field + ".data.ptr", f"a multiple of {ALIGN}",
-                            f"{a.data.ptr:#x} (offset {a.data.ptr % ALIGN})")
+    check_device_buffer(f"ops_gemv.{fn}", field, a, dtype, shape)
 
 
 def _no_alias(fn: str, field: str, a, b, other: str) -> None:
-    if a.data.ptr == b.data.ptr:
-        raise NanoqwenError(f"ops_gemv.{fn}", field, f"a buffer other than {other}", "the same buffer")
+    check_no_alias(f"ops_gemv.{fn}", field, a, b, other)
 
 
-def _ptr(a) -> np.uint64:
-    return np.uint64(0 if a is None else a.data.ptr)
+_ptr = device_ptr
 
 
 def _weights(fn: str, qweight, scales) -> tuple[int, int]:

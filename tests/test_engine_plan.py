@@ -1,6 +1,5 @@
 """The engine's arena plan (CPU): every file tensor has a home, every buffer is aligned,
 the qkv and gate_up stacks cover their rows exactly once."""
-import numpy as np
 import pytest
 
 from nanoqwen_lib.config import load

@@ -141,7 +141,7 @@ def test_bad_directory_entry_refused(micro_file, patch, field):
 
 def test_overlap_refused(micro_file):
     f = NanoqwenFile.open(micro_file)
-    e0, e1 = f.entries[0], f.entries[1]
+    e1 = f.entries[1]
     del f
     _rewrite(micro_file, dir_patch={2: {"offset": e1.offset}})
     _refused(micro_file, "offset")

@@ -121,7 +121,6 @@ def test_graph_replay_identical_to_eager(file_7b, prompt_len):
     """Prompts that end just before, on and just after a page boundary; 130 new tokens,
     so both graph variants (mid-page, new page) are replayed many times."""
     from nanoqwen_lib.engine import GpuBackend
-    from nanoqwen_lib.generate import generate_ids
     rng = np.random.default_rng(prompt_len)
     prompt = _prompt(rng, prompt_len)
     perm = rng.permutation(-(-600 // 16))

@@ -27,25 +27,9 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen_lib import ops_gemv  # noqa: E402
+from .gpu_cases import SHAPES_7B, TINY16, U16, rand_int4
 
-U16 = 2.0 ** -10
-TINY16 = 2.0 ** -24
-SHAPES_7B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 ODD = [(n, k) for n in (1, 7, 130, 1000) for k in (128, 384, 1152)]
-
-
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**63)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
-def rand_int4(rng, n, k):
-    """Random packed weights (every nibble, -8 too) and fp16 scales."""
-    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
-    scales = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
-    return words, scales
 
 
 def dev(a):

@@ -36,25 +36,15 @@ if not cuda_build.have_gpu():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 from nanoqwen_lib import ops_prefill  # noqa: E402
+from .gpu_cases import SHAPES_7B, TINY16, U16
+from .gpu_cases import rand_int4 as rand_int4_host
 
-U16 = 2.0 ** -10
-TINY16 = 2.0 ** -24
 DIMS_7B = config.load().model("7b")
-SHAPES_7B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-
-
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**63)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
 
 
 def rand_int4(rng, n, k):
     """Random packed weights (every nibble, -8 too) and fp16 scales, on the device."""
-    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
-    scales = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
-    return cp.asarray(words), cp.asarray(scales)
+    return tuple(cp.asarray(a) for a in rand_int4_host(rng, n, k))
 
 
 def rand16(rng, shape, scale=1.0):
