@@ -34,3 +34,26 @@ def test_arena_aligned_and_weights_match_decode_bytes():
     # weights in the arena = what a decode token reads + the embedding table (read one row)
     expect = b["int4_weights"] + b["scales"] + b["lm_head_fp16"] + b["norms_and_biases"] + dims.vocab * dims.hidden * 2
     assert plan.bytes_of("w.") == expect
+
+
+def test_arena_refuses_what_does_not_fit_before_allocating(monkeypatch):
+    """GPU out of memory at load: a clear message with the sizes, and nothing allocated.
+    (CuPy is replaced by a stand-in that reports 2 GiB free and fails on any allocation.)"""
+    import sys
+    import types
+
+    from nanoqwen_lib.arena import DeviceArena
+    from nanoqwen_lib.errors import LimitError
+
+    def no_alloc(n):
+        raise AssertionError("allocated before checking the size")
+
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (2 << 30, 141 << 30))
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, alloc=no_alloc))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    plan = plan_arena(load().model("7b"), 32768)
+    with pytest.raises(LimitError) as ei:
+        DeviceArena(plan, source="7b.nanoqwen")
+    msg = str(ei.value)
+    assert "7b.nanoqwen" in msg and "GPU memory" in msg and "2.00 GiB free" in msg
+    assert f"{plan.nbytes / 2**30:.2f} GiB" in msg and "weights" in msg and "KV" in msg
