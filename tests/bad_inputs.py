@@ -9,7 +9,8 @@ expected and what was found. tests/test_bad_inputs.py runs every case; the appen
 
 A case whose input is not yet refused cleanly says so in `bug` (what happens instead): its
 test is a strict xfail, so the fix turns it into a failure that asks for the note to go.
-`message_gap` marks a clean refusal whose wording is argparse's, not the house format.
+`message_gap` marks a clean refusal whose message is not in the house format (argparse's
+own words, or no file named).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import atexit
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +46,7 @@ FILE, CHECKPOINT, REQUEST, CLI = ".nanoqwen file", "checkpoint", "request / limi
 CATEGORIES = (FILE, CHECKPOINT, REQUEST, CLI)
 PACKED = "packed.nanoqwen"     # where checkpoint cases pack to
 TOKENIZER = b'{"model": {}}'   # an optional blob, so the file has a non-model entry too
-ENTRIES, DATA_OFFSET, FILE_BYTES = plan_layout(MICRO, len(TOKENIZER))
+ENTRIES, _, FILE_BYTES = plan_layout(MICRO, len(TOKENIZER))  # the layout of micro_file_bytes()
 AT = {e.name: i for i, e in enumerate(ENTRIES)}           # directory index of each tensor
 LN, LN2 = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
 NORM, Q_PROJ, K_PROJ = ("model.norm.weight", "model.layers.0.self_attn.q_proj.qweight",
@@ -53,14 +55,15 @@ NORM, Q_PROJ, K_PROJ = ("model.norm.weight", "model.layers.0.self_attn.q_proj.qw
 
 @dataclass(frozen=True)
 class Case:
+    """One bad input: how to build it, what to run on it, and what the answer must be."""
     category: str
     input: str                                    # the bad input, in one line
     make: Callable[[Path], Callable[[], object]]  # builds it under tmp -> the operation
     error: type[Exception]                        # what the operation must raise
     field: str                                    # text the message must contain
     also: tuple[str, ...] = ()                    # more text it must contain
-    bug: str | None = None
-    message_gap: str | None = None
+    bug: str | None = None          # not refused cleanly yet: what happens instead
+    message_gap: str | None = None  # refused cleanly, but not in the house format: how
 
 
 class CliRefusal(Exception):
@@ -83,7 +86,7 @@ def run_cli(cwd: Path, *args: str) -> str:
 
 
 def outcome(case: Case, tmp: Path) -> tuple[str, str]:
-    """Run one case: (what happened, the message with the temp dir shown as $TMP)."""
+    """Run one case: (what happened, the message); the temp dir shows as $TMP, a pid as PID."""
     op = case.make(tmp)
     try:
         op()
@@ -96,20 +99,18 @@ def outcome(case: Case, tmp: Path) -> tuple[str, str]:
         what, msg = f"{'' if mod == 'builtins' else mod + '.'}{type(e).__name__} (uncaught)", str(e)
     else:
         what, msg = "accepted", ""
-    return what, msg.replace(str(tmp), "$TMP")
+    return what, re.sub(r"(\.link|\.tmp)-\d+", r"\1-PID", msg.replace(str(tmp), "$TMP"))
 
 
 # ----------------------------------------------------------------------------- sources
 
-@functools.lru_cache(maxsize=1)
-def micro_file_bytes() -> bytes:
-    """A valid MICRO .nanoqwen file (random payloads, a tokenizer blob), made once."""
+@functools.lru_cache(maxsize=2)
+def micro_file_bytes(tokenizer_json: bytes | None = TOKENIZER) -> bytes:
+    """A valid MICRO .nanoqwen file (random payloads, an optional tokenizer blob), made once."""
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "micro.nanoqwen"
-        write_nanoqwen(p, MICRO, random_producer(1), tokenizer_json=TOKENIZER)
-        raw = p.read_bytes()
-    assert len(raw) == FILE_BYTES
-    return raw
+        write_nanoqwen(p, MICRO, random_producer(1), tokenizer_json=tokenizer_json)
+        return p.read_bytes()
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,7 +172,7 @@ def file_case(input, damage, field, *also, **kw) -> Case:
     return Case(FILE, input, make, FormatError, field, also, **kw)
 
 
-def t(name, field):
+def tensor_field(name, field):
     return f"tensor {name!r}: {field}"
 
 
@@ -195,28 +196,33 @@ FILE_CASES = [
     file_case("tie_embeddings 7", header(tie_embeddings=7), "tie_embeddings"),
     file_case("flags 1 (a feature this build lacks)", header(flags=1), "flags"),
     file_case("num_heads 0 in the header", header(num_heads=0), "header num_heads"),
-    file_case("num_heads 6: q_proj no longer matches", header(num_heads=6), t(Q_PROJ, "shape"), "header"),
+    file_case("num_heads 6: q_proj no longer matches", header(num_heads=6), tensor_field(Q_PROJ, "shape"),
+              "header"),
     file_case("head_dim 96 in the header", header(head_dim=96), "header head_dim"),
     file_case("hidden 900 in the header", header(hidden=900), "header hidden_size"),
     file_case("a payload offset not a multiple of 128", entry(LN, offset=ENTRIES[AT[LN]].offset + 64),
-              t(LN, "offset"), "a multiple of 128"),
-    file_case("a payload offset inside the directory", entry(LN, offset=128), t(LN, "offset"), "data_offset"),
-    file_case("two payloads at one offset", entry(LN2, offset=ENTRIES[AT[LN]].offset), t(LN2, "offset"),
+              tensor_field(LN, "offset"), "a multiple of 128"),
+    file_case("a payload offset inside the directory", entry(LN, offset=128), tensor_field(LN, "offset"),
+              "data_offset"),
+    file_case("two payloads at one offset", entry(LN2, offset=ENTRIES[AT[LN]].offset), tensor_field(LN2, "offset"),
               "payloads overlap"),
-    file_case("a payload running past the end", entry(K_PROJ, offset=FILE_BYTES - 128), t(K_PROJ, "end")),
-    file_case("a tensor with a wrong shape", entry(LN, shape0=7), t(LN, "shape")),
-    file_case("an FP16 tensor stored as uint32", entry(LN, dtype=2), t(LN, "dtype"), "float16", "uint32"),
-    file_case("an unknown dtype code 9", entry(LN, dtype=9), t(LN, "dtype")),
-    file_case("ndim 3", entry(LN, ndim=3), t(LN, "ndim")),
-    file_case("nbytes 8", entry(LN, nbytes=8), t(LN, "nbytes")),
-    file_case("a tensor name used twice", entry(LN2, name=LN.encode()), t(LN, "name"), "duplicate"),
+    file_case("a payload running past the end", entry(K_PROJ, offset=FILE_BYTES - 128),
+              tensor_field(K_PROJ, "end")),
+    file_case("a tensor with a wrong shape", entry(LN, shape0=7), tensor_field(LN, "shape")),
+    file_case("an FP16 tensor stored as uint32", entry(LN, dtype=2), tensor_field(LN, "dtype"),
+              "float16", "uint32"),
+    file_case("an unknown dtype code 9", entry(LN, dtype=9), tensor_field(LN, "dtype")),
+    file_case("ndim 3", entry(LN, ndim=3), tensor_field(LN, "ndim")),
+    file_case("nbytes 8", entry(LN, nbytes=8), tensor_field(LN, "nbytes")),
+    file_case("a tensor name used twice", entry(LN2, name=LN.encode()), tensor_field(LN, "name"), "duplicate"),
     file_case("a name that is not UTF-8", entry(LN, name=b"\xff\xfe"), f"directory[{AT[LN]}].name"),
     file_case("lm_head.weight dropped from the directory", drop_entry("lm_head.weight"), "tensors",
               "missing", "lm_head.weight"),
     file_case("a tensor renamed", entry(LN, name=b"model.layers.0.bogus.weight"), "tensors", "missing", LN),
     file_case("an unexpected tensor", entry(TOKENIZER_BLOB, name=b"model.layers.0.bogus.weight"), "tensors",
               "unexpected", "bogus"),
-    file_case("one bit of a payload flipped", flip(ENTRIES[AT[K_PROJ]].offset + 17), t(K_PROJ, "crc32")),
+    file_case("one bit of a payload flipped", flip(ENTRIES[AT[K_PROJ]].offset + 17),
+              tensor_field(K_PROJ, "crc32")),
 ]
 
 
@@ -288,10 +294,13 @@ CHECKPOINT_CASES = [
     ckpt_case("head_dim 96", config(hidden_size=672, num_attention_heads=7, num_key_value_heads=1, head_dim=96),
               CF, "head_dim"),
     ckpt_case("hidden_size 960, not a multiple of 128",
-              config(hidden_size=960, num_attention_heads=15, num_key_value_heads=3, head_dim=64), CF, "hidden_size"),
-    ckpt_case("GQA ratio 3 (6 heads, 2 KV heads)", config(hidden_size=768, num_attention_heads=6, num_key_value_heads=2),
+              config(hidden_size=960, num_attention_heads=15, num_key_value_heads=3, head_dim=64),
+              CF, "hidden_size"),
+    ckpt_case("GQA ratio 3 (6 heads, 2 KV heads)",
+              config(hidden_size=768, num_attention_heads=6, num_key_value_heads=2),
               CF, "num_attention_heads / num_key_value_heads", "6/2"),
-    ckpt_case("GQA ratio 1 (7 KV heads)", config(num_key_value_heads=7), CF, "num_attention_heads / num_key_value_heads"),
+    ckpt_case("GQA ratio 1 (7 KV heads)", config(num_key_value_heads=7),
+              CF, "num_attention_heads / num_key_value_heads"),
     ckpt_case("index names a shard that does not exist",
               lambda d: remap(d, NORM, "model-00009-of-00009.safetensors"),
               CE, f"weight_map[{NORM!r}]", "model-00009-of-00009.safetensors", "does not exist"),
@@ -311,7 +320,8 @@ CHECKPOINT_CASES = [
               bug="packed without complaint; the reader then refuses the file (max_position: expected > 0)"),
     ckpt_case("rms_norm_eps 2.0", config(rms_norm_eps=2.0), CF, "rms_norm_eps",
               bug="packed without complaint; the reader then refuses the file (rms_eps: expected in (0, 1))"),
-    ckpt_case("max_position_embeddings 2**40", config(max_position_embeddings=2**40), CF, "max_position_embeddings",
+    ckpt_case("max_position_embeddings 2**40", config(max_position_embeddings=2**40),
+              CF, "max_position_embeddings",
               bug="struct.error from encode_header after every payload is written"),
     ckpt_case("rope_theta null", config(rope_theta=None), CF, "rope_theta",
               bug="TypeError from float(None) in ModelDims.from_hf_config"),
@@ -346,9 +356,12 @@ REQUEST_CASES = [
 # ----------------------------------------------------------------------------- the CLI
 
 def cli_case(args: str, field, *also, setup=None, **kw) -> Case:
-    """`args` as a user types them, run in tmp (holding a valid model.nanoqwen); {tmp} is tmp."""
+    """`args` as a user types them, run in tmp, which holds a valid model.nanoqwen (no
+    tokenizer blob: the default Qwen tokenizer) and a badtok.nanoqwen (a blob that is not
+    a tokenizer); {tmp} is tmp."""
     def make(tmp):
-        (tmp / "model.nanoqwen").write_bytes(micro_file_bytes())
+        (tmp / "model.nanoqwen").write_bytes(micro_file_bytes(None))
+        (tmp / "badtok.nanoqwen").write_bytes(micro_file_bytes())
         if setup:
             setup(tmp)
         argv = [a.format(tmp=tmp) for a in args.split()]
@@ -373,6 +386,8 @@ CLI_CASES = [
     cli_case("generate {tmp}/model.nanoqwen --prompt-ids 1,2 --max-new-tokens abc", "--max-new-tokens", "'abc'",
              message_gap=ARGPARSE),
     cli_case("generate {tmp}/model.nanoqwen --prompt= --backend reference", "prompt", "empty"),
+    cli_case("generate {tmp}/badtok.nanoqwen --prompt hi --backend reference", "model.type", "BPE",
+             message_gap="names 'tokenizer.json (embedded)', not the .nanoqwen file that carries it"),
     cli_case("bench {tmp}/missing.nanoqwen", "path"),
     cli_case("bench {tmp}/model.nanoqwen --prompt-tokens 0", "--prompt-tokens", "found 0",
              message_gap="argparse's wording: no '<arguments>'"),

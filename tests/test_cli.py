@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from nanoqwen_lib.weightfile import write_nanoqwen
+from nanoqwen_lib.cuda_build import have_gpu
+from nanoqwen_lib.weightfile import NanoqwenFile, write_nanoqwen
 
+from .bad_inputs import micro_checkpoint
 from .test_fileformat import MICRO, random_producer
 
 
@@ -85,6 +87,23 @@ def test_missing_file_and_bad_flags():
 ])
 def test_generate_limits_refused_before_any_work(micro_file, args, needle):
     assert_user_error(run_cli("generate", micro_file, *args, "--backend", "reference"), needle)
+
+
+def test_pack_creates_a_missing_output_directory(tmp_path):
+    """Packing into a directory that does not exist yet is fine: it is created (packing
+    *from* a missing directory is a user error: tests/bad_inputs.py)."""
+    out = tmp_path / "new" / "deeper" / "m.nanoqwen"
+    r = run_cli("pack", micro_checkpoint(), "-o", out, "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert str(out) in r.stdout and NanoqwenFile.open(out).dims == MICRO
+    assert os.listdir(out.parent) == ["m.nanoqwen"]
+
+
+@pytest.mark.skipif(have_gpu(), reason="with a GPU, --backend gpu is a valid request")
+@pytest.mark.xfail(strict=True, reason="bug: cupy's CUDARuntimeError escapes as a traceback (exit 1)")
+def test_gpu_backend_without_a_gpu_is_a_user_error(micro_file):
+    r = run_cli("generate", micro_file, "--prompt-ids", "1,2", "--backend", "gpu")
+    assert_user_error(r, "GPU", "expected", "found")
 
 
 def test_pack_killed_leaves_no_file(tmp_path):
