@@ -6,6 +6,8 @@ line naming the file, the field, the expected and the found value; never a trace
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +16,22 @@ from .errors import LimitError, NanoqwenError
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, status 2 (argparse's own convention)
-        self.exit(2, f"nanoqwen: error: {message} (see --help)\n")
+        self.exit(2, f"nanoqwen {self.prog.split()[-1]}: error: {_house_format(message)} (see --help)\n")
+
+
+def _house_format(message: str) -> str:
+    """argparse's wording -> '<arguments>: FIELD: expected X, found Y'."""
+    m = re.match(r"argument (\S+?): invalid choice: (.+?) \(choose from (.+)\)$", message)
+    if m:
+        return f"<arguments>: {m[1]}: expected one of {m[3]}, found {m[2]}"
+    m = re.match(r"argument (\S+?): invalid (\w+) value: (.+)$", message)
+    if m:
+        kind = {"int": "an integer", "float": "a number"}.get(m[2], f"a {m[2]}")
+        return f"<arguments>: {m[1]}: expected {kind}, found {m[3]}"
+    m = re.match(r"argument (\S+?): (expected .+)$", message)
+    if m:
+        return f"<arguments>: {m[1]}: {m[2]}"
+    return f"<arguments>: {message}"
 
 
 def _ids(text: str) -> list[int]:
@@ -42,13 +59,29 @@ def cmd_synth(a) -> int:
     from .config import load
     from .synth import synthesize
     dims = load().model(a.dims)
+    if a.out.exists() and not a.out.is_dir():
+        raise LimitError(a.out, "--out", "a directory (new, or existing)", "an existing file")
     out = synthesize(dims, a.seed, a.out, progress=not a.quiet)
     print(f"wrote synthetic {a.dims} checkpoint (seed {a.seed}) to {out}")
     return 0
 
 
+def _check_output_file(path: Path, flag: str) -> None:
+    """Refuse an output path that cannot become a file, before any work."""
+    if path.is_dir():
+        raise LimitError(path, flag, "a file path", "an existing directory")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LimitError(path, flag, "a path under a directory", f"{parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LimitError(path, flag, "a writable location", f"{parent} is not writable")
+
+
 def cmd_pack(a) -> int:
     from .packer import pack_checkpoint
+    _check_output_file(a.output, "--output")
     out = pack_checkpoint(a.checkpoint, a.output, progress=not a.quiet)
     print(f"wrote {out} ({out.stat().st_size / 1e9:.3f} GB)")
     return 0
@@ -65,7 +98,12 @@ def cmd_inspect(a) -> int:
 def _load_tokenizer(nq_file):
     from .tokenizer import QwenTokenizer
     blob = nq_file.tokenizer_json
-    return QwenTokenizer.from_tokenizer_json(blob) if blob else QwenTokenizer.default()
+    if not blob:
+        return QwenTokenizer.default()
+    try:
+        return QwenTokenizer.from_tokenizer_json(blob)
+    except NanoqwenError as e:
+        raise type(e)(nq_file.path, f"tensor 'tokenizer.json': {e.field}", e.expected, e.found) from None
 
 
 def cmd_generate(a) -> int:
@@ -186,6 +224,9 @@ def main(argv=None) -> int:
         return args.fn(args)
     except NanoqwenError as e:
         print(f"nanoqwen {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the system refuses (permissions, full disk, ...): one line too
+        print(f"nanoqwen {args.verb}: error: {e.filename or '<arguments>'}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"nanoqwen {args.verb}: interrupted", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,22 @@ import yaml
 from .errors import ConfigError
 
 CONFIG_PATH = Path(__file__).with_name("nanoqwen.yaml")
+
+
+U32_MAX = 2**32 - 1   # every integer dim is stored as a u32 in the .nanoqwen header
+
+
+def _positive_int(v, source, field) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= U32_MAX:
+        raise ConfigError(source, field, f"an integer in [1, {U32_MAX}]", repr(v))
+    return v
+
+
+def _real_in(v, source, field, lo: float, hi: float) -> float:
+    """A finite number in the open interval (lo, hi)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo < v < hi:
+        raise ConfigError(source, field, f"a finite number in ({lo:g}, {hi:g})", repr(v))
+    return float(v)
 
 
 @dataclass(frozen=True)
@@ -110,37 +127,38 @@ class ModelDims:
             raise ConfigError(source, "rope_scaling", "null (plain RoPE)", cfg["rope_scaling"])
         if cfg.get("use_sliding_window", False):
             raise ConfigError(source, "use_sliding_window", False, cfg["use_sliding_window"])
-        ints = {}
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "vocab_size"):
-            v = need(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(source, key, "a positive integer", repr(v))
-            ints[key] = v
+        ints = {key: _positive_int(need(key), source, key)
+                for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "vocab_size")}
         hidden, heads, kv = ints["hidden_size"], ints["num_attention_heads"], ints["num_key_value_heads"]
         if hidden % heads:
             raise ConfigError(source, "num_attention_heads", f"a divisor of hidden_size {hidden}", heads)
-        head_dim = cfg.get("head_dim") or hidden // heads
+        head_dim = cfg.get("head_dim")
+        head_dim = hidden // heads if head_dim is None else _positive_int(head_dim, source, "head_dim")
         if head_dim * heads != hidden:
             raise ConfigError(source, "head_dim", f"hidden_size / num_attention_heads = {hidden // heads}", head_dim)
+        tied = cfg.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise ConfigError(source, "tie_word_embeddings", "true or false", repr(tied))
         dims = cls(
             num_layers=ints["num_hidden_layers"], hidden=hidden,
             intermediate=ints["intermediate_size"], num_heads=heads, num_kv_heads=kv,
             head_dim=head_dim, vocab=ints["vocab_size"],
-            max_position=int(cfg.get("max_position_embeddings", 32768)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position=_positive_int(cfg.get("max_position_embeddings", 32768), source, "max_position_embeddings"),
+            rope_theta=_real_in(cfg.get("rope_theta", 10000.0), source, "rope_theta", 0.0, math.inf),
+            rms_eps=_real_in(cfg.get("rms_norm_eps", 1e-6), source, "rms_norm_eps", 0.0, 1.0),
+            tie_embeddings=tied,
         )
         dims.check_supported(source)
         return dims
 
     def check_supported(self, source="config") -> None:
         sup = load().supported
-        for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ConfigError(source, name, "a positive integer", v)
+        for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim",
+                     "vocab", "max_position"):
+            _positive_int(getattr(self, name), source, name)
+        _real_in(self.rope_theta, source, "rope_theta", 0.0, math.inf)
+        _real_in(self.rms_eps, source, "rms_eps", 0.0, 1.0)
         if self.head_dim not in sup.head_dims:
             raise ConfigError(source, "head_dim", f"one of {list(sup.head_dims)}", self.head_dim)
         if self.num_heads % self.num_kv_heads:
@@ -155,8 +173,6 @@ class ModelDims:
             if v % sup.dim_multiple:
                 field = {"hidden": "hidden_size", "intermediate": "intermediate_size"}[name]
                 raise ConfigError(source, field, f"a multiple of {sup.dim_multiple}", v)
-        if self.rope_theta <= 0 or self.rms_eps <= 0:
-            raise ConfigError(source, "rope_theta / rms_norm_eps", "positive", (self.rope_theta, self.rms_eps))
 
 
 @dataclass(frozen=True)

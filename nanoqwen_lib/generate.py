@@ -55,6 +55,10 @@ def make_backend(name: str, nq_file):
     if name == "reference":
         return ReferenceBackend(nq_file)
     if name == "gpu":
+        from .cuda_build import have_gpu
+        if not have_gpu():
+            raise LimitError("<arguments>", "--backend", "a CUDA GPU for --backend gpu",
+                             "none (CuPy sees no usable device)", "use --backend reference")
         from .engine import GpuBackend
         return GpuBackend(nq_file)
     raise LimitError("<arguments>", "--backend", "reference or gpu", repr(name))

@@ -86,6 +86,8 @@ class AtomicOutput:
 
     def __enter__(self):
         d = self.path.parent
+        if self.path.is_dir():
+            raise FormatError(self.path, "output path", "a file path", "an existing directory")
         d.mkdir(parents=True, exist_ok=True)
         try:
             self.fd = os.open(d, os.O_TMPFILE | os.O_RDWR, 0o644)
@@ -115,7 +117,11 @@ class AtomicOutput:
                         os.link(str(self.fd), staged, src_dir_fd=procfd, follow_symlinks=True)
                     finally:
                         os.close(procfd)
-                    os.replace(staged, self.path)
+                    try:
+                        os.replace(staged, self.path)
+                    except OSError:
+                        staged.unlink()   # never leave the complete hidden copy behind
+                        raise
                 else:
                     os.replace(self.tmp_name, self.path)
                     self.tmp_name = None

@@ -100,7 +100,6 @@ def test_pack_creates_a_missing_output_directory(tmp_path):
 
 
 @pytest.mark.skipif(have_gpu(), reason="with a GPU, --backend gpu is a valid request")
-@pytest.mark.xfail(strict=True, reason="bug: cupy's CUDARuntimeError escapes as a traceback (exit 1)")
 def test_gpu_backend_without_a_gpu_is_a_user_error(micro_file):
     r = run_cli("generate", micro_file, "--prompt-ids", "1,2", "--backend", "gpu")
     assert_user_error(r, "GPU", "expected", "found")
