@@ -1,4 +1,4 @@
-"""The `nanoqwen` command: synth, pack, inspect, generate, bench, demo.
+"""The `nanoqwen` command: synth, pack, inspect, generate, bench, validate, demo.
 
 User errors (bad arguments, bad files, requests that do not fit) exit with status 2 and one
 line naming the file, the field, the expected and the found value; never a traceback.
@@ -165,6 +165,24 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_validate(a) -> int:
+    import json
+    from .cuda_build import have_gpu
+    from .validate import run_ladder
+    from .weightfile import NanoqwenFile
+    ladder = ("unit", "layer", "graph")
+    stages = [x.strip() for x in a.stages.split(",") if x.strip()]
+    if not stages or any(x not in ladder for x in stages) or stages != sorted(stages, key=ladder.index):
+        raise LimitError("<arguments>", "--stages", "a subset of unit,layer,graph in that order", repr(a.stages))
+    f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
+    if not have_gpu():
+        raise LimitError(a.file, "GPU", "a CUDA GPU (the ladder checks the GPU kernels)", "none")
+    r = run_ladder(f, a.prompts, a.gen_tokens, stages=stages,
+                   progress=lambda m: print(f"[validate] {m}", file=sys.stderr, flush=True))
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "first_divergence"} for k, v in r.items()}))
+    return 0 if all(v["passed"] for v in r.values()) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nanoqwen", description="An INT4 Qwen2.5 inference runtime for Hopper, built in a book.")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
@@ -210,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", type=Path, help="write all results, GPU name, clocks and git commit here")
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("validate", help="the correctness ladder: unit, layer, graph (GPU); stops at the first failure")
+    s.add_argument("file", type=Path, help="a .nanoqwen file")
+    s.add_argument("--stages", default="unit,layer,graph", help="comma-separated subset, in ladder order")
+    s.add_argument("--prompts", type=_positive, default=None, help="graph stage prompts (default: nanoqwen.yaml, 100)")
+    s.add_argument("--gen-tokens", type=_positive, default=None, help="graph stage tokens per prompt (default 128)")
+    s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
+    s.set_defaults(fn=cmd_validate)
 
     s = sub.add_parser("demo", help="synthesize the tiny model, pack it and generate with it")
     s.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")

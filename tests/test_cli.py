@@ -42,7 +42,7 @@ def micro_file(tmp_path_factory):
 def test_help_explains_every_verb():
     r = run_cli("--help")
     assert r.returncode == 0
-    for verb in ("synth", "pack", "inspect", "generate", "demo"):
+    for verb in ("synth", "pack", "inspect", "generate", "bench", "validate", "demo"):
         assert verb in r.stdout
         h = run_cli(verb, "--help")
         assert h.returncode == 0 and "usage" in h.stdout
@@ -123,3 +123,8 @@ def test_pack_killed_leaves_no_file(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
     assert os.listdir(tmp_path) == []
+
+
+def test_validate_refuses_stages_out_of_ladder_order(micro_file):
+    assert_user_error(run_cli("validate", micro_file, "--stages", "graph,unit"), "--stages", "in that order")
+    assert_user_error(run_cli("validate", micro_file, "--stages", "speed"), "--stages")

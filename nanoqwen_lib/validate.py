@@ -1,0 +1,116 @@
+"""The correctness ladder, in order; each stage gates the next.
+
+    unit   each kernel against the reference op    (tests/test_gpu_gemv.py, _attention, _prefill)
+    layer  one decoder block against the reference (tests/test_gpu_engine.py -k layer)
+    graph  greedy tokens of the engine (graph replay) against the reference model on CuPy:
+           `graph_prompts` prompts x `graph_gen_tokens` tokens (nanoqwen.yaml), at least
+           `token_match_min` identical, divergences at near-ties counted apart
+
+The unit and layer stages are the GPU test files, run by pytest from the checkout; the
+graph stage is `greedy_agreement`, which also backs the model test.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import load
+from .generate import generate_ids
+
+ROOT = Path(__file__).resolve().parent.parent
+UNIT_TESTS = ("tests/test_gpu_gemv.py", "tests/test_gpu_attention.py", "tests/test_gpu_prefill.py")
+LAYER_TESTS = ("tests/test_gpu_engine.py", "-k", "layer")
+
+
+@dataclass
+class Agreement:
+    """Greedy streams compared up to their first divergence (after it, the contexts differ)."""
+    tokens: int = 0                 # generated tokens in all prompts
+    identical: int = 0              # tokens equal to the reference before any divergence
+    divergences: int = 0            # prompts whose stream diverged
+    near_tie_divergences: int = 0   # ... at a step where the reference's top-2 gap was a near-tie
+    uncompared_after_near_ties: int = 0
+    first_divergence: list = field(default_factory=list)   # (prompt index, step, ref gap)
+
+    @property
+    def match(self) -> float:
+        """Identical tokens over the tokens compared, near-tie divergences counted apart."""
+        compared = self.tokens - self.uncompared_after_near_ties
+        return self.identical / compared if compared else 1.0
+
+    def passes(self) -> bool:
+        return self.match >= load().validation.token_match_min
+
+    def summary(self) -> str:
+        v = load().validation
+        return (f"{self.identical}/{self.tokens} tokens identical; {self.divergences} divergences, "
+                f"{self.near_tie_divergences} at near-ties (top-2 gap < {v.near_tie_logit_gap}); "
+                f"match {100 * self.match:.2f}% (threshold {100 * v.token_match_min:.1f}%)")
+
+
+def validation_prompts(n: int, seed: int = 0, vocab: int = 151643) -> list[list[int]]:
+    """n prompts of varied lengths: every length 1..64 appears (page boundaries at 16, 32, 48
+    and their neighbours), then random ones; token ids from the tokenizer's range."""
+    rng = np.random.default_rng(seed)
+    lengths = [1 + i % 64 for i in range(n)]
+    return [rng.integers(0, vocab, L).tolist() for L in lengths]
+
+
+def greedy_agreement(candidate, reference, prompts, new_tokens: int) -> Agreement:
+    """candidate: a generate.py backend; reference: a ReferenceModel (greedy -> ids, gaps)."""
+    near = load().validation.near_tie_logit_gap
+    a = Agreement()
+    for k, p in enumerate(prompts):
+        want, gaps = reference.greedy(p, new_tokens)
+        got = list(generate_ids(candidate, p, new_tokens))
+        a.tokens += new_tokens
+        for i, (x, y) in enumerate(zip(got, want)):
+            if x != y:
+                a.divergences += 1
+                a.first_divergence.append((k, i, float(gaps[i])))
+                if gaps[i] < near:
+                    a.near_tie_divergences += 1
+                    a.uncompared_after_near_ties += new_tokens - i
+                break
+            a.identical += 1
+    return a
+
+
+def run_pytest(args, progress=print) -> bool:
+    """One stage's GPU tests, from the checkout (they are not part of the installed package)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *args]
+    progress(" ".join(cmd[2:]))
+    return subprocess.run(cmd, cwd=ROOT).returncode == 0
+
+
+def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = None,
+               stages=("unit", "layer", "graph"), progress=print) -> dict:
+    """The ladder on the GPU; stops at the first failing stage. Returns what each stage saw."""
+    import cupy as cp
+
+    from .engine import GpuBackend
+    from .reference import ReferenceModel
+    v = load().validation
+    out = {}
+    for stage in stages:
+        progress(f"stage {stage}")
+        if stage == "unit":
+            out[stage] = {"passed": run_pytest(UNIT_TESTS, progress)}
+        elif stage == "layer":
+            out[stage] = {"passed": run_pytest(LAYER_TESTS, progress)}
+        else:
+            ps = validation_prompts(prompts or v.graph_prompts)
+            n = new_tokens or v.graph_gen_tokens
+            engine = GpuBackend(nq_file, max_tokens=max(map(len, ps)) + n + 16)
+            reference = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
+            a = greedy_agreement(engine, reference, ps, n)
+            progress(a.summary())
+            out[stage] = {"passed": a.passes(), **asdict(a), "match": a.match}
+        if not out[stage]["passed"]:
+            progress(f"stage {stage} failed: the ladder stops here")
+            break
+    return out

@@ -1,0 +1,67 @@
+"""The graph stage's bookkeeping (CPU): backends that agree, diverge at a near-tie, or
+diverge where the reference was sure."""
+import numpy as np
+
+from nanoqwen_lib.config import load
+from nanoqwen_lib.validate import greedy_agreement, validation_prompts
+
+V = load().validation
+
+
+class Scripted:
+    """A reference whose greedy stream and top-2 gaps are given."""
+
+    def __init__(self, ids, gaps):
+        self.ids, self.gaps = ids, gaps
+
+    def greedy(self, prompt, n):
+        return self.ids[:n], self.gaps[:n]
+
+
+class Replay:
+    """A backend (generate.py protocol) that emits a fixed stream."""
+
+    def __init__(self, ids, vocab=1000):
+        self.ids = ids
+        self.dims = type("D", (), {"vocab": vocab, "max_position": 10**6})()
+        self.max_tokens = None
+
+    def prefill(self, prompt):
+        self.i = 0
+        return self.ids[0]
+
+    def decode(self, token):
+        self.i += 1
+        return self.ids[self.i]
+
+
+def test_identical_streams_match_fully():
+    ref = Scripted(list(range(10)), [1.0] * 10)
+    a = greedy_agreement(Replay(list(range(10))), ref, [[1, 2]] * 3, 10)
+    assert (a.tokens, a.identical, a.divergences, a.match) == (30, 30, 0, 1.0) and a.passes()
+
+
+def test_near_tie_divergence_is_counted_apart():
+    gaps = [1.0] * 10
+    gaps[4] = V.near_tie_logit_gap / 2
+    ref = Scripted(list(range(10)), gaps)
+    got = list(range(4)) + [99] * 6
+    a = greedy_agreement(Replay(got), ref, [[5]], 10)
+    assert a.divergences == a.near_tie_divergences == 1 and a.identical == 4
+    assert a.uncompared_after_near_ties == 6 and a.match == 1.0
+
+
+def test_confident_divergence_fails():
+    ref = Scripted(list(range(10)), [1.0] * 10)
+    got = list(range(3)) + [99] * 7
+    a = greedy_agreement(Replay(got), ref, [[5]] * 2, 10)
+    assert a.divergences == 2 and a.near_tie_divergences == 0
+    assert np.isclose(a.match, 6 / 20) and not a.passes()
+    assert a.first_divergence == [(0, 3, 1.0), (1, 3, 1.0)]
+
+
+def test_prompts_cover_page_boundaries():
+    ps = validation_prompts(V.graph_prompts)
+    lengths = {len(p) for p in ps}
+    assert len(ps) == V.graph_prompts and {1, 15, 16, 17, 31, 32, 33, 48, 49, 64} <= lengths
+    assert validation_prompts(5) == validation_prompts(5)
