@@ -13,6 +13,7 @@ table in chapter 1 is generated from it.
 """
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 
 from .config import ModelDims, load
 from .errors import ConfigError, FormatError
-from .layout import packed_tensors
+from .layout import packed_tensor_count, packed_tensors
 
 FMT = load().format
 
@@ -115,7 +116,7 @@ def plan_layout(dims: ModelDims, tokenizer_bytes: int | None = None) -> tuple[li
     data_offset = align_up(FMT.header_bytes + len(exp) * FMT.dir_entry_bytes)
     entries, off = [], data_offset
     for name, (dt, shape) in exp.items():
-        nbytes = int(np.prod(shape)) * dt.itemsize
+        nbytes = math.prod(shape) * dt.itemsize
         entries.append(TensorEntry(name, dt, tuple(shape), off, nbytes, 0))
         off = align_up(off + nbytes)
     return entries, data_offset, off
@@ -212,6 +213,9 @@ def dims_of(path, h: Header) -> ModelDims:
 
 def parse_directory(path, h: Header, dims: ModelDims, directory: bytes) -> list[TensorEntry]:
     """Decode and validate every directory entry against the dims and the file."""
+    count = packed_tensor_count(dims)
+    _check(path, "n_tensors", h.n_tensors in (count, count + 1),
+           f"{count} (or {count + 1} with the tokenizer) for these dims", h.n_tensors)
     _check(path, "dir_crc32", zlib.crc32(directory) == h.dir_crc32, f"{zlib.crc32(directory):#010x}",
            f"{h.dir_crc32:#010x}", "the tensor directory is corrupted")
     entries, seen = [], set()
@@ -244,8 +248,8 @@ def parse_directory(path, h: Header, dims: ModelDims, directory: bytes) -> list[
         _check(path, f"{where}: dtype", e.dtype == dt, dt.name, e.dtype.name)
         _check(path, f"{where}: shape", e.shape == tuple(shape), tuple(shape), e.shape,
                "disagrees with the model dims in the header")
-        _check(path, f"{where}: nbytes", e.nbytes == int(np.prod(shape)) * dt.itemsize,
-               int(np.prod(shape)) * dt.itemsize, e.nbytes)
+        _check(path, f"{where}: nbytes", e.nbytes == math.prod(shape) * dt.itemsize,
+               math.prod(shape) * dt.itemsize, e.nbytes)
         _check(path, f"{where}: offset", e.offset % FMT.alignment == 0,
                f"a multiple of {FMT.alignment}", e.offset)
         _check(path, f"{where}: offset", e.offset >= h.data_offset,

@@ -56,6 +56,13 @@ def packed_tensors(dims: ModelDims) -> dict[str, tuple[np.dtype, tuple[int, ...]
     return out
 
 
+def packed_tensor_count(dims: ModelDims) -> int:
+    """len(packed_tensors(dims)), by arithmetic (a hostile header's num_layers must not make
+    the reader build a list of billions of names): embed, final norm, lm_head when untied,
+    and per layer 2 norms + 3 biases + 7 projections x (qweight, scales)."""
+    return 2 + (0 if dims.tie_embeddings else 1) + dims.num_layers * (2 + 3 + 2 * len(dims.projections()))
+
+
 def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0) -> dict[str, int]:
     """What one decode token must read from device memory, by kind (batch 1)."""
     g = load().format.group_size

@@ -144,3 +144,21 @@ def test_random_garbage_files(tmp_path):
     for n in (0, 1, 255, 256, 257, 4096):
         assert open_mutated(tmp_path, rng.integers(0, 256, n, dtype=np.uint8).tobytes()) == "refused"
     assert open_mutated(tmp_path, FMT.magic.encode() + bytes(300)) == "refused"
+
+
+@pytest.mark.parametrize("num_layers", [2**20, 2**32 - 1])
+def test_huge_num_layers_refused_without_building_names(tmp_path, raw, num_layers):
+    """A sealed header claiming billions of layers is refused by arithmetic, at once."""
+    import time
+    import zlib
+    off = 0
+    for k, code, _ in HEADER_FIELDS:
+        if k == "num_layers":
+            break
+        off += struct.calcsize("<" + code)
+    buf = bytearray(raw)
+    struct.pack_into("<I", buf, off, num_layers)
+    struct.pack_into("<I", buf, FMT.header_bytes - 4, zlib.crc32(bytes(buf[:FMT.header_bytes - 4])))
+    t0 = time.perf_counter()
+    assert open_mutated(tmp_path, bytes(buf)) == "refused"
+    assert time.perf_counter() - t0 < 5
