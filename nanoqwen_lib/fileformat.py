@@ -202,12 +202,8 @@ def dims_of(path, h: Header) -> ModelDims:
                      tie_embeddings=bool(h.tie_embeddings))
     try:
         dims.check_supported(source=f"{path} header")
-    except ConfigError as e:
+    except ConfigError as e:  # the packer's own checks (u32 ranges, finite rope/eps, GQA, ...)
         raise FormatError(path, f"header {e.field}", e.expected, e.found) from None
-    for k in ("num_layers", "vocab", "max_position"):
-        _check(path, k, getattr(dims, k) > 0, "> 0", getattr(dims, k))
-    _check(path, "rope_theta", np.isfinite(dims.rope_theta) and dims.rope_theta > 0, "finite > 0", dims.rope_theta)
-    _check(path, "rms_eps", np.isfinite(dims.rms_eps) and 0 < dims.rms_eps < 1, "finite in (0, 1)", dims.rms_eps)
     return dims
 
 

@@ -63,15 +63,8 @@ def bytes_bars(bars: dict[str, dict[str, int]], title: str = "", unit: float = 1
                 ax.text(left + width / 2, y, f"{width:.3f}", ha="center", va="center",
                         color="white", fontsize=9)
             left += width
-    ax.set_yticks(range(len(bars)), list(bars))
-    ax.invert_yaxis()  # first bar on top
     ax.set_xlim(0, longest * 1.02)
-    ax.set_xlabel(unit_name)
-    ax.grid(axis="y", visible=False)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
-    if title:
-        ax.set_title(title)
-    return ax
+    return _finish_barh(ax, list(bars), unit_name, title)
 
 
 def grouped_barh(groups: dict[str, dict[str, float]], xlabel: str, title: str = "",
@@ -95,8 +88,13 @@ def grouped_barh(groups: dict[str, dict[str, float]], xlabel: str, title: str = 
                 color=colors[s % len(colors)], label=name)
     if vline is not None:
         ax.axvline(vline, color="k", linestyle="--", linewidth=1, label=vline_label or None)
-    ax.set_yticks(range(len(groups)), list(groups))
-    ax.invert_yaxis()  # first group on top
+    return _finish_barh(ax, list(groups), xlabel, title)
+
+
+def _finish_barh(ax, labels, xlabel: str, title: str):
+    """The shared look of a horizontal bar chart: labels top to bottom, legend outside."""
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()  # first label on top
     ax.set_xlabel(xlabel)
     ax.grid(axis="y", visible=False)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
