@@ -1,6 +1,8 @@
 // decode_ops.cu: the small kernels of a decode step (batch 1), each a few microseconds.
-//   nq_rmsnorm   y = fp16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps) * fp32(w)); one CTA
-//   nq_embed     out = table[*token]; the token id is read from device memory (graph-safe)
+//   nq_rmsnorm   y = fp16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps) * fp32(w)); one CTA per row
+//                (decode: 1 row; prefill: one per prompt token)
+//   nq_embed     out[r] = table[token[r]]; ids are read from device memory (graph-safe);
+//                rows on blockIdx.y (decode: 1 row; prefill: one per prompt token)
 //   nq_argmax    int32 argmax of fp32 logits, ties -> lowest index; one launch, last-CTA merge
 // nq-variants: NQ_DECODE_THREADS=256
 //
@@ -32,9 +34,12 @@ __device__ __forceinline__ float block_sum(float v) {
 }  // namespace nq
 
 // [rmsnorm]
-// x, w, out fp16 [H], H a multiple of 8; grid 1, block NQ_DECODE_THREADS. out may not alias x.
+// x, out fp16 [rows, H], w fp16 [H], H a multiple of 8; grid rows, block NQ_DECODE_THREADS.
+// out may not alias x.
 extern "C" __global__ void __launch_bounds__(nq::kDecThreads)
 nq_rmsnorm(const half* __restrict__ x, const half* __restrict__ w, half* __restrict__ out, int H, float eps) {
+  x += (size_t)blockIdx.x * H;
+  out += (size_t)blockIdx.x * H;
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
   float ss = 0.f;
   for (int c = threadIdx.x; c < H / 8; c += nq::kDecThreads) {
@@ -64,11 +69,13 @@ nq_rmsnorm(const half* __restrict__ x, const half* __restrict__ w, half* __restr
 }
 // [/rmsnorm]
 
-// token int32 [1] (device), table fp16 [V, H], out fp16 [H]; H a multiple of 8.
-// A token outside [0, V) fills out with NaN, so a bad id cannot pass silently.
+// token int32 [rows] (device), table fp16 [V, H], out fp16 [rows, H]; H a multiple of 8;
+// grid (x: chunks of a row, y: rows). A token outside [0, V) fills its row with NaN, so a
+// bad id cannot pass silently.
 extern "C" __global__ void __launch_bounds__(nq::kDecThreads)
 nq_embed(const int* __restrict__ token, const half* __restrict__ table, half* __restrict__ out, int H, int V) {
-  const int tok = *token;
+  const int tok = token[blockIdx.y];
+  out += (size_t)blockIdx.y * H;
   const bool ok = tok >= 0 && tok < V;
   const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)(ok ? tok : 0) * H);
   const uint4 nan4 = make_uint4(0x7E007E00u, 0x7E007E00u, 0x7E007E00u, 0x7E007E00u);

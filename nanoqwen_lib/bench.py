@@ -75,7 +75,10 @@ def timed_request(engine, prompt: list[int], gen_tokens: int) -> dict:
 
 
 def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, seed=0,
-                  progress=print) -> dict:
+                  progress=print, prefill: str = "tensor-core", breakdown: bool = False) -> dict:
+    """The protocol; with breakdown=True also the ITL breakdown (breakdown.itl_breakdown) on
+    the same engine after the timed run."""
+    from .breakdown import itl_breakdown
     from .engine import GpuBackend
     from .timing import measure_read_ceiling
     proto = load().benchmark
@@ -85,12 +88,17 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     dims = nq_file.dims
     prompt = np.random.default_rng(seed).integers(0, 151643, prompt_tokens).tolist()
     progress(f"loading {nq_file.path} onto the GPU")
-    engine = GpuBackend(nq_file, max_tokens=prompt_tokens + gen_tokens + 16, graphs=True)
+    engine = GpuBackend(nq_file, max_tokens=prompt_tokens + max(gen_tokens, 128) + 16, graphs=True,
+                        prefill=prefill)
     for i in range(warmup):
         progress(f"warm-up {i + 1}/{warmup}")
         timed_request(engine, prompt, gen_tokens)
     progress("timed run")
     run = timed_request(engine, prompt, gen_tokens)
+    parts = None
+    if breakdown:
+        progress("ITL breakdown (graph and eager steps, then each region alone)")
+        parts = itl_breakdown(engine, prompt)
     progress("measuring the read ceiling")
     ceiling = measure_read_ceiling()
     itl = _stats(run["itl_ms"])
@@ -110,6 +118,8 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
         "read_ceiling_tbps": ceiling["tbps"],
         "achieved_tbps": bytes_tok / (itl["median"] * 1e-3) / 1e12,
         "mbu": bytes_tok / (itl["median"] * 1e-3) / (ceiling["tbps"] * 1e12),
+        "tokens": run["tokens"],
+        **({"itl_breakdown": parts} if parts else {}),
         "conditions": gpu_conditions(),
         "git_commit": _git_commit(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -129,13 +139,18 @@ def format_report(r: dict) -> str:
         f"MBU       {100 * r['mbu']:.1f}%  ({r['bytes_per_token'] / 1e9:.3f} GB/token at "
         f"{r['achieved_tbps']:.2f} TB/s; read ceiling {r['read_ceiling_tbps']:.2f} TB/s measured now)",
     ]
+    if "itl_breakdown" in r:
+        from .breakdown import format_breakdown
+        lines.append(format_breakdown(r["itl_breakdown"]))
     for name in ("hf_fp16", "torch_int4"):
         if name in r.get("peers", {}):
             p = r["peers"][name]
             if "error" in p:
                 lines.append(f"peer {name:<11} could not run: {p['error']}")
                 continue
-            lines.append(f"peer {name:<11} ITL {p['itl_ms']:.3f} ms  ->  nanoqwen is {p['itl_ms'] / itl['median']:.2f}x faster")
+            ttft = f", TTFT {p['ttft_ms']:.1f} ms ({p['ttft_ms'] / r['ttft_ms']:.2f}x ours)" if "ttft_ms" in p else ""
+            lines.append(f"peer {name:<11} ITL {p['itl_ms']:.3f} ms  ->  nanoqwen is {p['itl_ms'] / itl['median']:.2f}x faster"
+                         f"{ttft}; first {p.get('same_tokens', '?')} greedy tokens identical to ours")
     return "\n".join(lines)
 
 

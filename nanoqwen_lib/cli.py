@@ -154,7 +154,8 @@ def cmd_bench(a) -> int:
     if not have_gpu():
         raise LimitError(a.file, "GPU", "a CUDA GPU for benchmark_e2e", "none (cupy sees no device)")
     r = benchmark_e2e(f, a.prompt_tokens, a.gen_tokens, a.warmup,
-                      progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+                      progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True),
+                      prefill=a.prefill, breakdown=a.breakdown)
     if a.peers:
         from .peers import run_peers
         r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True))
@@ -225,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-tokens", type=_positive, default=None, help="prompt length (default 512)")
     s.add_argument("--gen-tokens", type=_positive, default=None, help="generated tokens (default 128)")
     s.add_argument("--peers", action="store_true", help="also time HF transformers FP16 and torch INT4 tinygemm (needs torch)")
+    s.add_argument("--breakdown", action="store_true",
+                   help="also the ITL breakdown: each region of a decode token, eager and graph kernel_gap")
+    s.add_argument("--prefill", choices=["tensor-core", "token-by-token"], default="tensor-core",
+                   help="prefill to time (default tensor-core; token-by-token is the simple baseline)")
     s.add_argument("--json", type=Path, help="write all results, GPU name, clocks and git commit here")
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
     s.set_defaults(fn=cmd_bench)

@@ -212,6 +212,11 @@ class KVCacheSpec:
 
 
 @dataclass(frozen=True)
+class EngineSpec:
+    prefill_chunk_tokens: int    # prompt tokens per tensor-core prefill pass (activation buffers)
+
+
+@dataclass(frozen=True)
 class BenchProtocol:
     batch: int
     prompt_tokens: int
@@ -249,6 +254,7 @@ class Config:
     supported: Supported
     format: FormatSpec
     kv_cache: KVCacheSpec
+    engine: EngineSpec
     benchmark: BenchProtocol
     validation: ValidationSpec
     tokenizer: TokenizerSpec
@@ -278,6 +284,7 @@ def load() -> Config:
         supported=_build(Supported, raw["supported"]),
         format=_build(FormatSpec, raw["format"]),
         kv_cache=_build(KVCacheSpec, raw["kv_cache"]),
+        engine=_build(EngineSpec, raw["engine"]),
         benchmark=_build(BenchProtocol, raw["benchmark"]),
         validation=_build(ValidationSpec, raw["validation"]),
         tokenizer=_build(TokenizerSpec, raw["tokenizer"]),

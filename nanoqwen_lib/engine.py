@@ -5,9 +5,15 @@
           -> rmsnorm -> lm_head GEMV -> argmax
 
 Everything the step needs lives in the arena, including the scalars (token, position,
-context length, slot) and the block table, so the same launches can later be captured in a
-CUDA graph. Prefill here is the simple correct one: the prompt goes through the decode
-step token by token (chapter 8 replaces it with a tensor-core prefill).
+context length, slot) and the block table, so the same launches are captured once in a CUDA
+graph per variant (chapter 9) and replayed every token.
+
+Prefill (chapter 8) runs the prompt through the same layers as a batch, in chunks of
+`engine.prefill_chunk_tokens`: INT4 tensor-core GEMMs (ops_prefill), RoPE writing K and V
+straight into the pages, causal attention reading them back from the pages; then the last
+row goes through the final norm and lm_head + argmax, as a decode step would. The simple
+correct prefill, the prompt through the decode step token by token, stays available
+(`prefill="token-by-token"`) as the baseline chapter 8 measures against.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ from .errors import LimitError
 from .generate import check_request
 
 KV = load().kv_cache
+PREFILL_CHUNK = load().engine.prefill_chunk_tokens
+PREFILL_MODES = ("tensor-core", "token-by-token")
 # Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu).
 SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")
 SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
@@ -56,10 +64,19 @@ def plan_arena(dims: ModelDims, max_tokens: int) -> ArenaPlan:
     p.add("a.attn", np.float16, (dims.q_dim,))
     p.add("a.gate_up", np.float16, (2 * i,))
     p.add("a.logits", np.float32, (dims.vocab,))
+    c = min(PREFILL_CHUNK, max_tokens)       # prefill activations: one chunk of prompt rows
+    p.add("p.x", np.float16, (c, h))
+    p.add("p.y", np.float16, (c, h))
+    p.add("p.qkv", np.float16, (c, dims.qkv_dim))
+    p.add("p.q", np.float16, (c, dims.num_heads, dims.head_dim))
+    p.add("p.attn", np.float16, (c, dims.q_dim))
+    p.add("p.gate_up", np.float16, (c, 2 * i))
+    p.add("p.act", np.float16, (c, i))
     p.add("s.scalars", np.int32, (len(SCALARS) * SCALAR_STRIDE,))
     p.add("s.block_table", np.int32, (pages,))         # logical page -> physical page
     p.add("s.free_pages", np.int32, (pages,))          # a stack; the step pops from the top
     p.add("s.generated", np.int32, (pages * KV.page_tokens,))  # argmax after each position
+    p.add("s.prompt", np.int32, (pages * KV.page_tokens,))     # the prompt's ids (prefill)
     return p
 
 
@@ -90,16 +107,20 @@ class GpuBackend:
 
     All work is enqueued on one stream. The step's bookkeeping (slot, context length, page
     allocation on a page boundary, position) runs on the device, so a decode step needs
-    nothing from the host: `graphs=True` captures it once per variant and replays it.
+    nothing from the host: with `graphs=True` both variants of the step are captured once,
+    at load, and replayed every token.
     """
 
     name = "gpu"
 
-    def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True):
+    def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
+                 prefill: str = "tensor-core"):
         import cupy as cp
-        from . import ops_attention, ops_gemv
+        from . import ops_attention, ops_gemv, ops_prefill
         from .cuda_build import load_module
-        self.cp, self.gemv, self.attn = cp, ops_gemv, ops_attention
+        if prefill not in PREFILL_MODES:
+            raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
+        self.cp, self.gemv, self.attn, self.pf = cp, ops_gemv, ops_attention, ops_prefill
         dims = self.dims = nq_file.dims
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
         self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens), source=nq_file.path)
@@ -113,6 +134,7 @@ class GpuBackend:
         self.workspace = ops_attention.AttentionWorkspace(dims, self.max_tokens)
         self.kv = a["kv"]
         self.pages = a["s.block_table"].size
+        self.chunk = a["p.x"].shape[0]
         # One pinned slot per position for tokens the host feeds (the prompt): an async copy
         # reads its source when it runs, so a slot is never rewritten while a copy may be pending.
         self.token_staging = cp.cuda.alloc_pinned_memory(4 * self.pages * KV.page_tokens)
@@ -120,8 +142,11 @@ class GpuBackend:
         step = load_module("engine_step", dims)
         self.k_begin, self.k_end = step.get_function("nq_step_begin"), step.get_function("nq_step_end")
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self.prefill_mode = prefill
         self.use_graphs, self.graphs = graphs, None
         self.position = 0
+        if graphs:
+            self.capture_graphs()
 
     # ------------------------------------------------------------------ host -> device
     def _upload_scalars(self) -> None:
@@ -131,30 +156,42 @@ class GpuBackend:
         self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, self.staging.ptr, dst.nbytes,
                                          self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
 
-    def reset(self, physical_pages=None) -> None:
+    def reset(self, physical_pages=None, prompt_tokens: int = 0) -> None:
         """Start a sequence. The free list is popped from the top, so logical page i gets
-        physical page physical_pages[i] (default in order; tests pass a permutation)."""
+        physical page physical_pages[i] (default in order; tests pass a permutation).
+        With prompt_tokens > 0 (the batched prefill) the prompt's pages are taken here, as
+        the device would have popped them, and the step state is the prompt's last position."""
         pages = np.arange(self.pages) if physical_pages is None else np.asarray(physical_pages)
         assert sorted(pages.tolist()) == list(range(self.pages)), "a permutation of the pool's pages"
+        taken = -(-prompt_tokens // KV.page_tokens)
+        table = np.full(self.pages, -1, np.int32)                # unallocated: never a valid page
+        table[:taken] = pages[:taken]
         self.stream.synchronize()      # nothing of a previous sequence still reads the staging
         with self.stream:
             self.arena["s.free_pages"].set(pages[::-1].astype(np.int32), stream=self.stream)
-            self.arena["s.block_table"].fill(-1)          # unallocated: never a valid page
+            self.arena["s.block_table"].set(table, stream=self.stream)
             self.arena["s.generated"].fill(-1)
         self.host_scalars[:] = 0
-        self.host_scalars[SCALARS.index("free_top") * SCALAR_STRIDE] = self.pages
+        self.host_scalars[SCALARS.index("free_top") * SCALAR_STRIDE] = self.pages - taken
+        self.host_scalars[SCALARS.index("position") * SCALAR_STRIDE] = max(prompt_tokens - 1, 0)
         self._upload_scalars()
         self.position = 0
 
     # ------------------------------------------------------------------ one step
+    def step_launches(self, new_page: bool) -> list[tuple[str, object]]:
+        """The decode step as (region, launch) pairs in order: the one description that the
+        eager step, the graph capture and the ITL breakdown (nanoqwen_lib.breakdown) share."""
+        out = [("step bookkeeping", lambda: self.begin_step(new_page)), ("embed", self.embed_step)]
+        for l in range(self.dims.num_layers):
+            out += self.layer_launches(l)
+        out += self.head_launches()
+        out.append(("step bookkeeping", self.end_step))
+        return out
+
     def enqueue_step(self, new_page: bool) -> None:
         """The whole decode step for the token and position in the device scalars."""
-        self.begin_step(new_page)
-        self.embed_step()
-        for l in range(self.dims.num_layers):
-            self.layer_step(l)
-        self.head_step()
-        self.end_step()
+        for _, launch in self.step_launches(new_page):
+            launch()
 
     def write_token(self, token: int) -> None:
         """Feed `token` as the input of the step at self.position (host -> device, ordered)."""
@@ -174,29 +211,49 @@ class GpuBackend:
     def embed_step(self) -> None:
         self.gemv.embed(self.scalar["token"], self.arena["w.embed"], self.arena["a.x"])
 
-    def layer_step(self, l: int) -> None:
-        """One decoder layer on a.x (in place); this position's K/V appended to the cache."""
+    def layer_launches(self, l: int) -> list[tuple[str, object]]:
+        """One decoder layer on a.x (in place), as (region, launch); this position's K/V are
+        appended to the cache."""
         a, d, g, at = self.arena, self.dims, self.gemv, self.attn
         x, y, w = a["a.x"], a["a.y"], f"w.{l}."
-        g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)
-        g.gemv_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], a["a.qkv"], bias=a[w + "qkv.bias"])
-        at.rope_append_kv(a["a.qkv"], self.scalar["position"], self.scalar["slot"],
-                          self.kv[l, 0], self.kv[l, 1], a["a.q"], d)
-        at.paged_attention(a["a.q"], self.kv[l, 0], self.kv[l, 1], a["s.block_table"],
-                           self.scalar["context_len"], a["a.attn"], self.workspace)
-        g.gemv_int4(a["a.attn"], a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)
-        g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)
-        g.gemv_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], a["a.gate_up"])
-        g.gemv_int4_swiglu(a["a.gate_up"], a[w + "down.qweight"], a[w + "down.scales"], x, residual=x)
+        return [
+            ("norms", lambda: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
+            ("qkv_gemv", lambda: g.gemv_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], a["a.qkv"],
+                                             bias=a[w + "qkv.bias"])),
+            ("rope_append_kv", lambda: at.rope_append_kv(a["a.qkv"], self.scalar["position"], self.scalar["slot"],
+                                                         self.kv[l, 0], self.kv[l, 1], a["a.q"], d)),
+            ("paged_attention", lambda: at.paged_attention(a["a.q"], self.kv[l, 0], self.kv[l, 1], a["s.block_table"],
+                                                           self.scalar["context_len"], a["a.attn"], self.workspace)),
+            ("o_proj", lambda: g.gemv_int4(a["a.attn"], a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)),
+            ("norms", lambda: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
+            ("gate_up_gemv", lambda: g.gemv_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], a["a.gate_up"])),
+            ("swiglu_down", lambda: g.gemv_int4_swiglu(a["a.gate_up"], a[w + "down.qweight"], a[w + "down.scales"],
+                                                       x, residual=x)),
+        ]
+
+    def layer_step(self, l: int) -> None:
+        """One decoder layer on a.x (in place); this position's K/V appended to the cache."""
+        for _, launch in self.layer_launches(l):
+            launch()
+
+    def head_launches(self) -> list[tuple[str, object]]:
+        a, g = self.arena, self.gemv
+        return [("norms", lambda: g.rmsnorm(a["a.x"], a["w.norm"], a["a.y"], self.dims.rms_eps)),
+                ("lm_head+argmax", lambda: g.lm_head(a["a.y"], self.lm_head, a["a.logits"],
+                                                     token_out=self.scalar["token"]))]
 
     def head_step(self) -> None:
-        a, g = self.arena, self.gemv
-        g.rmsnorm(a["a.x"], a["w.norm"], a["a.y"], self.dims.rms_eps)
-        g.lm_head(a["a.y"], self.lm_head, a["a.logits"], token_out=self.scalar["token"])  # + argmax
+        for _, launch in self.head_launches():
+            launch()
 
     def capture_graphs(self) -> None:
         """Capture the two variants of the step once: mid-page and page boundary (which
-        pops a new page). Call after one eager step, so every module and workspace exists."""
+        pops a new page). One eager step first, so that every module is compiled and every
+        workspace allocated before capture (nothing may allocate inside it); then the
+        sequence is reset. The graphs read token, position and pages from device memory, so
+        they are never re-captured."""
+        self.reset()
+        self.launch_step(0)
         self.graphs = {}
         for new_page in (False, True):
             with self.stream:
@@ -204,6 +261,7 @@ class GpuBackend:
                 self.enqueue_step(new_page)
                 self.graphs[new_page] = self.stream.end_capture()
             self.graphs[new_page].upload(self.stream)
+        self.reset()
 
     def launch_step(self, token: int | None = None) -> None:
         """Enqueue one step at self.position: eagerly (writing `token` first when given, as
@@ -229,26 +287,63 @@ class GpuBackend:
             raise LimitError("<generate>", "KV pages", "a free page for every position", f"device error {err}")
         return int(self.arena["s.generated"][position].get())
 
-    # ------------------------------------------------------------------ the protocol
-    prefill_kind = "token by token through the decode step"
+    # ------------------------------------------------------------------ prefill
+    @property
+    def prefill_kind(self) -> str:
+        if self.prefill_mode == "tensor-core":
+            return f"INT4 tensor-core GEMMs, chunks of {self.chunk} tokens"
+        return "token by token through the decode step"
+
+    def prefill_chunk(self, start: int, t: int) -> None:
+        """Prompt positions start .. start+t-1 through every layer as one batch (rows of the
+        p.* buffers); their K and V go to the pages, attention reads all earlier ones there."""
+        a, d, g, pf = self.arena, self.dims, self.gemv, self.pf
+        x, y, qkv, q = a["p.x"][:t], a["p.y"][:t], a["p.qkv"][:t], a["p.q"][:t]
+        attn, gate_up, act, bt = a["p.attn"][:t], a["p.gate_up"][:t], a["p.act"][:t], a["s.block_table"]
+        g.embed(a["s.prompt"][start:start + t], a["w.embed"], x)
+        for l in range(d.num_layers):
+            w = f"w.{l}."
+            g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)
+            pf.gemm_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], qkv, bias=a[w + "qkv.bias"])
+            pf.prefill_rope_write_kv(qkv, self.kv[l, 0], self.kv[l, 1], bt, q, d, start_pos=start)
+            pf.prefill_attention(q, self.kv[l, 0], self.kv[l, 1], bt, attn, d, start_pos=start)
+            pf.gemm_int4(attn, a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)
+            g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)
+            pf.gemm_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], gate_up)
+            pf.gemm_int4_swiglu(gate_up, a[w + "down.qweight"], a[w + "down.scales"], x, residual=x, act=act)
 
     def prefill_enqueue(self, ids: list[int], physical_pages=None) -> None:
-        """The simple correct prefill: the prompt through the decode step, token by token.
-        Enqueues only (no host sync), so TTFT can be timed with events."""
+        """Enqueue the prefill of `ids` (no host sync, so TTFT can be timed with events). The
+        first generated token ends in the device scalars and s.generated, as after a step."""
+        n = len(ids)
         check_request(self.dims, list(ids), 1, self.max_tokens)
-        self.reset(physical_pages)
-        for t in ids:
-            self.launch_step(int(t))
-        if self.use_graphs and self.graphs is None:
-            self.capture_graphs()
+        if self.prefill_mode == "token-by-token":
+            self.reset(physical_pages)
+            for t in ids:
+                self.launch_step(int(t))
+            return
+        self.reset(physical_pages, prompt_tokens=n)     # pages taken, position = n - 1
+        self.host_tokens[:n] = ids                      # the stream is idle (reset synchronized)
+        prompt = self.arena["s.prompt"]
+        self.cp.cuda.runtime.memcpyAsync(prompt.data.ptr, self.host_tokens.ctypes.data, 4 * n,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        with self.stream:
+            for start in range(0, n, self.chunk):
+                self.prefill_chunk(start, min(self.chunk, n - start))
+            last = self.arena["p.x"][(n - 1) % self.chunk]
+            self.gemv.rmsnorm(last, self.arena["w.norm"], self.arena["a.y"], self.dims.rms_eps)
+            self.gemv.lm_head(self.arena["a.y"], self.lm_head, self.arena["a.logits"], token_out=self.scalar["token"])
+            self.end_step()                             # generated[n - 1] = token; position = n
+        self.position = n
 
+    # ------------------------------------------------------------------ the protocol
     def prefill(self, ids: list[int], physical_pages=None) -> int:
         self.prefill_enqueue(ids, physical_pages)
         return self.token_at(self.position - 1)
 
     def decode(self, token: int) -> int:
         """One step on the token the device already holds (argmax wrote it)."""
-        self.launch_step(None if self.graphs is not None else int(token))
+        self.launch_step(None if self.graphs is not None and self.use_graphs else int(token))
         return self.token_at(self.position - 1)
 
     def cached_kv(self, layer: int, n: int):

@@ -258,27 +258,33 @@ def _decode_kernel(name: str):
 
 
 def rmsnorm(x, w, out, eps: float) -> None:
-    """out = fp16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps) * fp32(w)); x, w, out fp16 [H]."""
-    h = getattr(x, "size", 0)
+    """out = fp16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps) * fp32(w)) per row; x, out fp16 [H]
+    (decode) or [rows, H] (prefill: one CTA per row), w fp16 [H]."""
+    h = getattr(x, "shape", (0,))[-1] if getattr(x, "ndim", 0) in (1, 2) else 0
     if h < 8 or h % 8:
-        raise NanoqwenError("ops_gemv.rmsnorm", "x.size", "a multiple of 8", h)
-    for f, a in (("x", x), ("w", w), ("out", out)):
-        _check("rmsnorm", f, a, np.float16, (h,))
+        raise NanoqwenError("ops_gemv.rmsnorm", "x.shape", "(H,) or (rows, H), H a multiple of 8",
+                            getattr(x, "shape", None))
+    rows = x.shape[0] if x.ndim == 2 else 1
+    for f, a in (("x", x), ("out", out)):
+        _check("rmsnorm", f, a, np.float16, x.shape)
+    _check("rmsnorm", "w", w, np.float16, (h,))
     _no_alias("rmsnorm", "out", out, x, "x")
-    _decode_kernel("nq_rmsnorm")((1,), (DECODE_TUNING["NQ_DECODE_THREADS"],),
+    _decode_kernel("nq_rmsnorm")((rows,), (DECODE_TUNING["NQ_DECODE_THREADS"],),
                                  (x, w, out, np.int32(h), np.float32(eps)))
 
 
 def embed(token_dev, table, out) -> None:
-    """out = table[token_dev[0]] (token read on the device); NaN if the id is out of range."""
+    """out[r] = table[token_dev[r]] (ids read on the device); a row is NaN if its id is out of
+    range. token_dev int32 [1] with out [H] (decode), or [rows] with out [rows, H] (prefill)."""
     if getattr(table, "ndim", 0) != 2 or table.shape[1] % 8:
         raise NanoqwenError("ops_gemv.embed", "table.shape", "(V, H), H a multiple of 8",
                             getattr(table, "shape", None))
     v, h = table.shape
-    _check("embed", "token_dev", token_dev, np.int32, (1,))
+    rows = getattr(token_dev, "size", 0)
+    _check("embed", "token_dev", token_dev, np.int32, (max(rows, 1),))
     _check("embed", "table", table, np.float16, (v, h))
-    _check("embed", "out", out, np.float16, (h,))
-    _decode_kernel("nq_embed")((1,), (DECODE_TUNING["NQ_DECODE_THREADS"],),
+    _check("embed", "out", out, np.float16, (h,) if getattr(out, "ndim", 0) == 1 and rows == 1 else (rows, h))
+    _decode_kernel("nq_embed")((1, rows), (DECODE_TUNING["NQ_DECODE_THREADS"],),
                                (token_dev, table, out, np.int32(h), np.int32(v)))
 
 

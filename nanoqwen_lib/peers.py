@@ -155,7 +155,7 @@ def torch_int4_peer(nq_file, prompt, gen_tokens) -> dict:
             graph.replay()
         torch.cuda.synchronize()
         evs = [torch.cuda.Event(enable_timing=True) for _ in range(gen_tokens + 1)]
-        out = []
+        out = [tok.clone()]                                  # the first token (after the prompt)
         evs[0].record()
         for i in range(gen_tokens):
             graph.replay()
@@ -164,7 +164,7 @@ def torch_int4_peer(nq_file, prompt, gen_tokens) -> dict:
         torch.cuda.synchronize()
     itl = [evs[i].elapsed_time(evs[i + 1]) for i in range(gen_tokens)]
     return {"itl_ms": float(np.median(itl)), "itl_p10": float(np.percentile(itl, 10)),
-            "itl_p90": float(np.percentile(itl, 90)), "tokens": [int(x) for x in torch.cat(out).tolist()],
+            "itl_p90": float(np.percentile(itl, 90)), "tokens": [int(x) for x in torch.cat(out).tolist()][:gen_tokens],
             "how": "torch tinygemm INT4 (_weight_int4pack_mm, group 128, bf16), SDPA over a static "
                    "cache, CUDA graph; prompt fed step by step; ITL median of CUDA events"}
 
@@ -180,6 +180,9 @@ def run_peers(nq_file, ours: dict, progress=print) -> dict:
         try:
             r = fn()
             r["itl_ratio_vs_nanoqwen"] = r["itl_ms"] / ours["itl_ms"]["median"]
+            if "tokens" in ours:       # the identical prefix of the two greedy streams
+                pairs = list(zip(r["tokens"], ours["tokens"]))
+                r["same_tokens"] = next((i for i, (x, y) in enumerate(pairs) if x != y), len(pairs))
             out[name] = r
         except Exception as e:  # a peer that cannot run here is reported as such
             out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}

@@ -38,14 +38,16 @@ def book_style() -> None:
 
 
 def bytes_bars(bars: dict[str, dict[str, int]], title: str = "", unit: float = 1e9,
-               unit_name: str = "GB", ax=None):
+               unit_name: str = "GB", ax=None, colors: dict | None = None):
     """Horizontal stacked bars of byte counts: one bar per label, one segment per kind.
 
     bars: label -> {kind -> bytes}; zero entries are left out. Segments wide enough to hold
-    it carry their value; the legend names each kind once. Returns the Axes.
+    it carry their value; the legend names each kind once; colors: kind -> colour (default
+    KIND_COLORS). Returns the Axes.
     """
     import matplotlib.pyplot as plt
 
+    colors = KIND_COLORS if colors is None else colors
     if ax is None:
         _, ax = plt.subplots(figsize=(8.0, 1.0 + 0.6 * len(bars)))
     longest = max(sum(parts.values()) for parts in bars.values()) / unit
@@ -56,7 +58,7 @@ def bytes_bars(bars: dict[str, dict[str, int]], title: str = "", unit: float = 1
             if n <= 0:
                 continue
             width = n / unit
-            ax.barh(y, width, left=left, color=KIND_COLORS.get(kind), edgecolor="white",
+            ax.barh(y, width, left=left, color=colors.get(kind), edgecolor="white",
                     label=None if kind in seen else kind)
             seen.add(kind)
             if width > 0.06 * longest:
@@ -101,3 +103,17 @@ def _finish_barh(ax, labels, xlabel: str, title: str):
     if title:
         ax.set_title(title)
     return ax
+
+
+def itl_breakdown_bars(b: dict, title: str = ""):
+    """Stacked bars of breakdown.itl_breakdown's result: eager and graph ITL, one segment per
+    region (the same segments in both) plus each one's kernel_gap. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    names = list(b["regions_ms"]) + ["kernel_gap"]
+    cycle = plt.get_cmap("tab20").colors
+    colors = {n: cycle[i % len(cycle)] for i, n in enumerate(names)}
+    colors["kernel_gap"] = "#bbbbbb"
+    bars = {f"{mode} ({b[mode]['itl_ms']:.2f} ms)": {**b["regions_ms"], "kernel_gap": max(b[mode]["kernel_gap_ms"], 0.0)}
+            for mode in ("eager", "graph")}
+    return bytes_bars(bars, title=title, unit=1.0, unit_name="ms per decode token", colors=colors)

@@ -123,3 +123,95 @@ def test_graph_replay_identical_to_eager(file_7b, prompt_len):
         runs[graphs] = ids
         del eng
     assert runs[True] == runs[False]
+
+
+# ---- the tensor-core prefill in the engine ------------------------------------------------
+@pytest.fixture(scope="module")
+def ref_7b(file_7b):
+    import cupy as cp
+    from nanoqwen_lib.reference import ReferenceModel
+    return ReferenceModel(file_7b.dims, file_7b.model_tensors(), xp=cp)
+
+
+def _prefill_against_reference(nq_file, refm, n, seed, layers, max_tokens):
+    """The engine's tensor-core prefill of an n-token prompt (pages shuffled, the pool and the
+    prefill buffers poisoned first) against ReferenceModel.prefill on CuPy: K and V of
+    `layers` in the pages, the last position's logits, and the first generated token."""
+    import cupy as cp
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.engine import GpuBackend
+    from nanoqwen_lib.reference import argmax_and_gap
+    rng = np.random.default_rng(seed)
+    prompt = _prompt(rng, n)
+    eng = GpuBackend(nq_file, max_tokens=max_tokens, graphs=False)
+    eng.kv.fill(cp.nan)
+    for name in ("p.x", "p.y", "p.qkv", "p.q", "p.attn", "p.gate_up", "p.act", "a.logits"):
+        eng.arena[name].fill(cp.nan)
+    cp.cuda.Device().synchronize()
+    first = eng.prefill(prompt, physical_pages=rng.permutation(eng.pages))
+    assert eng.position == n and int(eng.scalar["position"].get()[0]) == n
+    logits, cache = refm.prefill(prompt)
+    for layer in layers:
+        got_k, got_v = eng.cached_kv(layer, n)
+        want_k, want_v = cache.past(layer)
+        for name, a, b in (("k", got_k, want_k), ("v", got_v, want_v)):
+            a = a.astype(cp.float32)
+            assert bool(cp.isfinite(a).all()), f"layer {layer} {name}: unwritten (NaN) slots"
+            rel = float(cp.linalg.norm(a - b) / cp.linalg.norm(b))
+            print(f"n={n} layer {layer} {name}: relative error {rel:.2e}")
+            assert rel < 1e-2, f"layer {layer} {name}: relative error {rel:.2e}"
+    got = eng.arena["a.logits"]
+    want = logits[-1]
+    assert bool(cp.isfinite(got).all())
+    rel = float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
+    best, gap = argmax_and_gap(want)
+    print(f"n={n} logits relative error {rel:.2e}; first token {first} (reference {best}, top-2 gap {gap:.3f})")
+    assert rel < 2e-2, f"logits relative error {rel:.2e}"
+    assert first == best or gap < load().validation.near_tie_logit_gap, (first, best, gap)
+    assert int(eng.arena["s.generated"][n - 1].get()) == first
+
+
+@pytest.mark.parametrize("n", [1, 17, 512, 600])
+def test_prefill_matches_reference_7b(file_7b, ref_7b, n):
+    """One chunk (1, 17, 512 tokens) and two chunks (600 = 512 + 88: the second attends to
+    the first through the pages)."""
+    _prefill_against_reference(file_7b, ref_7b, n, seed=n, layers=(0, 27), max_tokens=1024)
+
+
+def test_prefill_matches_reference_tiny_three_chunks():
+    from nanoqwen_lib.synthetic import packed_synthetic
+    from nanoqwen_lib.weightfile import NanoqwenFile
+    import cupy as cp
+    from nanoqwen_lib.reference import ReferenceModel
+    f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
+    refm = ReferenceModel(f.dims, f.model_tensors(), xp=cp)
+    _prefill_against_reference(f, refm, 1100, seed=11, layers=(0, 1), max_tokens=1200)
+
+
+def test_tensor_core_and_token_by_token_prefill_agree_7b(file_7b):
+    """The engine's two prefills give the same first token (unless the top-2 logits are a
+    near-tie) and K/V within FP16 rounding of each other; the greedy streams that follow on
+    graphs are reported (after a near-tie they may part)."""
+    import cupy as cp
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.engine import GpuBackend
+    from nanoqwen_lib.reference import argmax_and_gap
+    rng = np.random.default_rng(5)
+    prompt = _prompt(rng, 77)
+    runs = {}
+    for mode in ("tensor-core", "token-by-token"):
+        eng = GpuBackend(file_7b, max_tokens=256, prefill=mode)
+        ids = [eng.prefill(prompt)]
+        logits, kv = eng.arena["a.logits"].copy(), eng.cached_kv(27, len(prompt))
+        for _ in range(31):
+            ids.append(eng.decode(ids[-1]))
+        runs[mode] = ids, logits, kv
+        del eng
+    (ids_a, la, kva), (ids_b, lb, kvb) = runs.values()
+    for a, b in zip(kva, kvb):
+        rel = float(cp.linalg.norm(a.astype(cp.float32) - b) / cp.linalg.norm(b.astype(cp.float32)))
+        assert rel < 1e-2, f"layer 27 K/V of the two prefills: relative error {rel:.2e}"
+    _, gap = argmax_and_gap(lb)
+    same = sum(a == b for a, b in zip(ids_a, ids_b))
+    print(f"tensor-core vs token-by-token prefill: {same}/32 tokens identical; top-2 gap {gap:.3f}")
+    assert ids_a[0] == ids_b[0] or gap < load().validation.near_tie_logit_gap

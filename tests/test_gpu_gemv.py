@@ -37,7 +37,7 @@ def dev(a):
 
 
 def poisoned(n, dtype=np.float16):
-    return cp.full((n,), np.nan, dtype=dtype)
+    return cp.full(n if isinstance(n, tuple) else (n,), np.nan, dtype=dtype)
 
 
 def blocks_in_threads(n, rows, fn):
@@ -214,6 +214,32 @@ def test_rmsnorm(rng, h):
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 ** 2) + 1e-6) * w.astype(np.float64)
     check_close(f"rmsnorm H={h}", out.get(), ref, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("rows", [2, 37, 512])
+def test_rmsnorm_rows(rng, rows):
+    """The prefill form: one CTA per row; every row against its own float64 reference."""
+    h = 3584
+    x = (rng.standard_normal((rows, h)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float16)
+    w = rng.uniform(0.5, 2, h).astype(np.float16)
+    out = poisoned((rows, h))
+    ops_gemv.rmsnorm(dev(x), dev(w), out, 1e-6)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt(np.mean(x64 ** 2, axis=1, keepdims=True) + 1e-6) * w.astype(np.float64)
+    check_close(f"rmsnorm rows={rows}", out.get().ravel(), ref.ravel(), 0.0, 0.0)
+
+
+def test_embed_rows(rng):
+    v, h, rows = 4096, 3584, 300
+    table = rng.standard_normal((v, h)).astype(np.float16)
+    ids = rng.integers(0, v, rows).astype(np.int32)
+    ids[[0, 7]] = (-1, v)                                # two bad ids: NaN rows, the rest exact
+    out = poisoned((rows, h))
+    ops_gemv.embed(cp.asarray(ids), dev(table), out)
+    got = out.get()
+    assert np.isnan(got[[0, 7]]).all()
+    good = np.setdiff1d(np.arange(rows), [0, 7])
+    np.testing.assert_array_equal(got[good], table[ids[good]])
 
 
 def test_embed(rng):

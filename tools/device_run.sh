@@ -12,7 +12,14 @@ for what in "$@"; do
     bench|bench-peers)
       f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b'))")
       peers=""; [ $what = bench-peers ] && peers=--peers
-      python3 -m nanoqwen_lib bench "$f" --no-verify $peers --json $OUT/bench.json 2>&1 | tee $OUT/bench.log | grep -v '^\[' ;;
+      python3 -m nanoqwen_lib bench "$f" --no-verify --breakdown $peers --json $OUT/$what.json 2>&1 | tee $OUT/$what.log | grep -v '^\[' ;;
+    cli)
+      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic as p; print(p('tiny'))")
+      { python3 -m nanoqwen_lib generate "$f" --prompt "def quicksort(xs):" --max-new-tokens 24 --backend gpu --ignore-eos
+        echo "exit $?"
+        python3 -m nanoqwen_lib generate "$f" --prompt-ids 1,2,3 --max-new-tokens 40000 --backend gpu; echo "exit $?"
+        python3 -m nanoqwen_lib generate "$f" --prompt-ids 1,2,999999 --backend gpu; echo "exit $?"
+      } 2>&1 | tee $OUT/cli.log ;;
     gpu-chapters)
       for nb in book/04-int4-gemv.ipynb book/07-decoder-layer.ipynb book/06-paged-attention.ipynb; do
         timeout 200 jupyter execute --inplace "$nb" >$OUT/$(basename $nb .ipynb).log 2>&1 && echo "executed $nb" || echo "EXEC FAILED $nb"

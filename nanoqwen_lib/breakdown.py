@@ -1,0 +1,116 @@
+"""The ITL breakdown: where the time of one decode token goes, region by region.
+
+A region is a named part of the step (GpuBackend.step_launches: "embed", "norms",
+"qkv_gemv", "rope_append_kv", "paged_attention", "o_proj", "gate_up_gemv", "swiglu_down",
+"lm_head+argmax" (the argmax is fused into lm_head's last CTA), "step bookkeeping").
+
+    region time   every launch of the region in one token (28 of each per-layer kernel, in
+                  step order, so each reads another layer's weights, as the step does),
+                  captured as one CUDA graph and replayed; the median over the replays.
+    step ITL      whole steps at the same position, events between them: replayed from the
+                  engine's graphs, and enqueued eagerly (the host launches every kernel).
+    kernel_gap    step ITL - sum of the region times: the time the GPU spends waiting between
+                  kernels, on the host (eager) or on launch latency (graphs).
+
+A region replayed alone runs its kernels back to back, so its time includes the launch
+latency between its own kernels as they sit in a graph; the graph kernel_gap is what the
+whole step adds on top. The regions run on the engine's live state at the measured
+position (the scalars, the residual stream and the pages are saved and restored around
+each), so the sequence must be reset afterwards: `itl_breakdown` runs its own prefill.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+REGIONS = ("embed", "norms", "qkv_gemv", "rope_append_kv", "paged_attention", "o_proj",
+           "gate_up_gemv", "swiglu_down", "lm_head+argmax", "step bookkeeping")
+
+
+def step_times(engine, steps: int, graphs: bool) -> list[float]:
+    """ms per decode step for `steps` steps from the engine's position, CUDA events between
+    steps, no host sync in the loop (eager: the host's launches pace the GPU)."""
+    import cupy as cp
+    s, saved = engine.stream, engine.use_graphs
+    engine.use_graphs = graphs
+    try:
+        events = [cp.cuda.Event() for _ in range(steps + 1)]
+        events[0].record(s)
+        for ev in events[1:]:
+            engine.launch_step()
+            ev.record(s)
+        s.synchronize()
+    finally:
+        engine.use_graphs = saved
+    engine.token_at(engine.position - 1)                 # raises if the device flagged an error
+    return [cp.cuda.get_elapsed_time(a, b) for a, b in zip(events, events[1:])]
+
+
+def region_times(engine, iters: int = 20, warmup: int = 3) -> dict[str, float]:
+    """region -> median ms of all its launches in one token (mid-page variant of the step)."""
+    import cupy as cp
+    a, s = engine.arena, engine.stream
+    launches = engine.step_launches(new_page=False)
+    saved = {name: a[name].copy() for name in ("s.scalars", "a.x", "s.block_table")}
+    out = {}
+    for region in REGIONS:
+        mine = [launch for name, launch in launches if name == region]
+        if not mine:
+            continue
+        with s:
+            s.begin_capture()
+            for launch in mine:
+                launch()
+            graph = s.end_capture()
+        graph.upload(s)
+        for _ in range(warmup):
+            graph.launch(s)
+        pairs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
+        for start, end in pairs:
+            start.record(s)
+            graph.launch(s)
+            end.record(s)
+        s.synchronize()
+        out[region] = float(np.median([cp.cuda.get_elapsed_time(b, e) for b, e in pairs]))
+        with s:                                           # undo what the replays moved
+            for name, copy in saved.items():
+                a[name][...] = copy
+    s.synchronize()
+    return out
+
+
+def itl_breakdown(engine, prompt: list[int], steps: int = 32, iters: int = 20) -> dict:
+    """Prefill `prompt`, then: graph ITL and eager ITL over `steps` steps each, and every
+    region alone at the position reached. Needs graphs (GpuBackend(graphs=True)) and room
+    for len(prompt) + 2 * steps + iters + 3 tokens in the pool."""
+    if engine.graphs is None:
+        raise ValueError("itl_breakdown needs an engine with CUDA graphs (graphs=True)")
+    engine.prefill_enqueue(prompt)
+    engine.stream.synchronize()
+    graph = step_times(engine, steps, graphs=True)
+    eager = step_times(engine, steps, graphs=False)
+    context = engine.position
+    regions = region_times(engine, iters)
+    total = sum(regions.values())
+    result = {"context_tokens": context, "steps": steps, "region_iters": iters, "regions_ms": regions,
+              "regions_sum_ms": total}
+    for name, ms in (("graph", graph), ("eager", eager)):
+        med = float(np.median(ms))
+        result[name] = {"itl_ms": med, "p10": float(np.percentile(ms, 10)), "p90": float(np.percentile(ms, 90)),
+                        "kernel_gap_ms": med - total}
+    engine.reset()
+    return result
+
+
+def format_breakdown(b: dict) -> str:
+    lines = [f"ITL breakdown at a context of {b['context_tokens']} tokens (medians; regions replayed alone)",
+             f"{'region':<20}{'ms/token':>10}{'of graph ITL':>14}"]
+    g = b["graph"]["itl_ms"]
+    for region, ms in b["regions_ms"].items():
+        lines.append(f"{region:<20}{ms:>10.4f}{ms / g:>14.1%}")
+    lines.append(f"{'sum of regions':<20}{b['regions_sum_ms']:>10.4f}{b['regions_sum_ms'] / g:>14.1%}")
+    for name in ("graph", "eager"):
+        r = b[name]
+        lines.append(f"{name:<6} ITL {r['itl_ms']:.4f} ms (p10 {r['p10']:.4f}, p90 {r['p90']:.4f}); "
+                     f"kernel_gap {r['kernel_gap_ms']:.4f} ms ({r['kernel_gap_ms'] / r['itl_ms']:.1%})")
+    lines.append(f"eager / graph ITL: {b['eager']['itl_ms'] / g:.2f}x")
+    return "\n".join(lines)
