@@ -45,14 +45,17 @@ def step_times(engine, steps: int, graphs: bool) -> list[float]:
     return [cp.cuda.get_elapsed_time(a, b) for a, b in zip(events, events[1:])]
 
 
-def region_times(engine, iters: int = 20, warmup: int = 3) -> dict[str, float]:
-    """region -> median ms of all its launches in one token (mid-page variant of the step)."""
+def region_times(engine, launches=None, iters: int = 20, warmup: int = 3,
+                 restore=("s.scalars", "a.x", "s.block_table")) -> dict[str, float]:
+    """region -> median ms of all its launches, captured as one graph per region and replayed.
+    launches: (region, launch) pairs, default the decode step's (mid-page variant); the
+    arena buffers in `restore` are saved first and put back after each region."""
     import cupy as cp
     a, s = engine.arena, engine.stream
-    launches = engine.step_launches(new_page=False)
-    saved = {name: a[name].copy() for name in ("s.scalars", "a.x", "s.block_table")}
+    launches = engine.step_launches(new_page=False) if launches is None else launches
+    saved = {name: a[name].copy() for name in restore}
     out = {}
-    for region in REGIONS:
+    for region in dict.fromkeys(name for name, _ in launches):
         mine = [launch for name, launch in launches if name == region]
         if not mine:
             continue
@@ -89,7 +92,7 @@ def itl_breakdown(engine, prompt: list[int], steps: int = 32, iters: int = 20) -
     graph = step_times(engine, steps, graphs=True)
     eager = step_times(engine, steps, graphs=False)
     context = engine.position
-    regions = region_times(engine, iters)
+    regions = region_times(engine, iters=iters)
     total = sum(regions.values())
     result = {"context_tokens": context, "steps": steps, "region_iters": iters, "regions_ms": regions,
               "regions_sum_ms": total}
@@ -99,6 +102,19 @@ def itl_breakdown(engine, prompt: list[int], steps: int = 32, iters: int = 20) -
                         "kernel_gap_ms": med - total}
     engine.reset()
     return result
+
+
+def prefill_region_times(engine, prompt: list[int], iters: int = 10) -> dict[str, float]:
+    """The tensor-core prefill of `prompt` (one chunk, len(prompt) <= engine.chunk), region
+    by region (GpuBackend.prefill_launches): region -> median ms over all layers."""
+    if len(prompt) > engine.chunk:
+        raise ValueError(f"one chunk: at most {engine.chunk} tokens, got {len(prompt)}")
+    engine.prefill_enqueue(prompt)
+    engine.stream.synchronize()
+    out = region_times(engine, engine.prefill_launches(0, len(prompt)), iters=iters,
+                       restore=("p.x", "s.scalars"))
+    engine.reset()
+    return out
 
 
 def format_breakdown(b: dict) -> str:

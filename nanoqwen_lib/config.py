@@ -224,6 +224,7 @@ class BenchProtocol:
     warmup: int
     lock_clocks: bool
     read_ceiling_tbps: float
+    compute_ceiling_tflops: float
 
 
 @dataclass(frozen=True)

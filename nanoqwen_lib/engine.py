@@ -294,23 +294,31 @@ class GpuBackend:
             return f"INT4 tensor-core GEMMs, chunks of {self.chunk} tokens"
         return "token by token through the decode step"
 
-    def prefill_chunk(self, start: int, t: int) -> None:
+    def prefill_launches(self, start: int, t: int) -> list[tuple[str, object]]:
         """Prompt positions start .. start+t-1 through every layer as one batch (rows of the
-        p.* buffers); their K and V go to the pages, attention reads all earlier ones there."""
+        p.* buffers), as (region, launch): their K and V go to the pages, and attention reads
+        all earlier ones there."""
         a, d, g, pf = self.arena, self.dims, self.gemv, self.pf
         x, y, qkv, q = a["p.x"][:t], a["p.y"][:t], a["p.qkv"][:t], a["p.q"][:t]
         attn, gate_up, act, bt = a["p.attn"][:t], a["p.gate_up"][:t], a["p.act"][:t], a["s.block_table"]
-        g.embed(a["s.prompt"][start:start + t], a["w.embed"], x)
+        out = [("embed", lambda: g.embed(a["s.prompt"][start:start + t], a["w.embed"], x))]
         for l in range(d.num_layers):
-            w = f"w.{l}."
-            g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)
-            pf.gemm_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], qkv, bias=a[w + "qkv.bias"])
-            pf.prefill_rope_write_kv(qkv, self.kv[l, 0], self.kv[l, 1], bt, q, d, start_pos=start)
-            pf.prefill_attention(q, self.kv[l, 0], self.kv[l, 1], bt, attn, d, start_pos=start)
-            pf.gemm_int4(attn, a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)
-            g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)
-            pf.gemm_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], gate_up)
-            pf.gemm_int4_swiglu(gate_up, a[w + "down.qweight"], a[w + "down.scales"], x, residual=x, act=act)
+            w, k_pool, v_pool = f"w.{l}.", self.kv[l, 0], self.kv[l, 1]
+            out += [
+                ("norms", lambda w=w: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
+                ("qkv_gemm", lambda w=w: pf.gemm_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], qkv,
+                                                      bias=a[w + "qkv.bias"])),
+                ("rope_write_kv", lambda k=k_pool, v=v_pool: pf.prefill_rope_write_kv(qkv, k, v, bt, q, d,
+                                                                                      start_pos=start)),
+                ("prefill_attention", lambda k=k_pool, v=v_pool: pf.prefill_attention(q, k, v, bt, attn, d,
+                                                                                      start_pos=start)),
+                ("o_proj_gemm", lambda w=w: pf.gemm_int4(attn, a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)),
+                ("norms", lambda w=w: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
+                ("gate_up_gemm", lambda w=w: pf.gemm_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], gate_up)),
+                ("swiglu_down_gemm", lambda w=w: pf.gemm_int4_swiglu(gate_up, a[w + "down.qweight"], a[w + "down.scales"],
+                                                                    x, residual=x, act=act)),
+            ]
+        return out
 
     def prefill_enqueue(self, ids: list[int], physical_pages=None) -> None:
         """Enqueue the prefill of `ids` (no host sync, so TTFT can be timed with events). The
@@ -329,7 +337,8 @@ class GpuBackend:
                                          self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         with self.stream:
             for start in range(0, n, self.chunk):
-                self.prefill_chunk(start, min(self.chunk, n - start))
+                for _, launch in self.prefill_launches(start, min(self.chunk, n - start)):
+                    launch()
             last = self.arena["p.x"][(n - 1) % self.chunk]
             self.gemv.rmsnorm(last, self.arena["w.norm"], self.arena["a.y"], self.dims.rms_eps)
             self.gemv.lm_head(self.arena["a.y"], self.lm_head, self.arena["a.logits"], token_out=self.scalar["token"])

@@ -87,3 +87,33 @@ def decode_gemv_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
     q/k/v are stacked into one qkv matrix and gate/up into one gate_up matrix."""
     h, i = dims.hidden, dims.intermediate
     return {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * i, h), "down": (h, i)}
+
+
+def decode_region_bytes(dims: ModelDims, context_tokens: int) -> dict[str, int]:
+    """Weight and K/V bytes each region of a decode token must read (the regions of
+    GpuBackend.step_launches; activations left out, as in bytes_per_decode_token, whose
+    total this matches): the floor of each region is its bytes over the read ceiling."""
+    g, L = load().format.group_size, dims.num_layers
+    int4 = {name: n * k // 2 + n * (k // g) * 2 for name, (n, k) in decode_gemv_shapes(dims).items()}
+    kvb = load().kv_cache.dtype_bytes
+    return {
+        "embed": dims.hidden * 2,
+        "norms": L * 2 * dims.hidden * 2 + dims.hidden * 2,
+        "qkv_gemv": L * (int4["qkv"] + dims.qkv_dim * 2),
+        "rope_append_kv": 0,
+        "paged_attention": 2 * L * dims.kv_dim * kvb * context_tokens,
+        "o_proj": L * int4["o_proj"],
+        "gate_up_gemv": L * int4["gate_up"],
+        "swiglu_down": L * int4["down"],
+        "lm_head+argmax": dims.vocab * dims.hidden * 2,
+        "step bookkeeping": 0,
+    }
+
+
+def prefill_flops(dims: ModelDims, tokens: int) -> dict[str, int]:
+    """FLOPs of a `tokens`-token prefill: every projection for every row (2 per weight),
+    causal attention (QK^T and PV over the triangle, per layer and head), lm_head for the
+    last row only (only its logits choose the first token)."""
+    proj = sum(n * k for n, k in dims.projections().values()) * dims.num_layers
+    attn = dims.num_layers * dims.num_heads * 2 * 2 * dims.head_dim * tokens * (tokens + 1) // 2
+    return {"projections": 2 * proj * tokens, "attention": attn, "lm_head (last row)": 2 * dims.vocab * dims.hidden}

@@ -57,3 +57,27 @@ def test_arena_refuses_what_does_not_fit_before_allocating(monkeypatch):
     msg = str(ei.value)
     assert "7b.nanoqwen" in msg and "GPU memory" in msg and "2.00 GiB free" in msg
     assert f"{plan.nbytes / 2**30:.2f} GiB" in msg and "weights" in msg and "KV" in msg
+
+
+@pytest.mark.parametrize("name", ["7b", "tiny-hd64"])
+def test_region_bytes_cover_the_decode_token_once(name):
+    """The ITL breakdown's floors: one entry per region of the step, adding up exactly to
+    what a decode token must read."""
+    from nanoqwen_lib.breakdown import REGIONS
+    from nanoqwen_lib.layout import decode_region_bytes
+    dims = load().model(name)
+    for ctx in (1, 577, 4096):
+        per_region = decode_region_bytes(dims, ctx)
+        assert tuple(per_region) == REGIONS
+        assert sum(per_region.values()) == sum(bytes_per_decode_token(dims, ctx).values())
+
+
+@pytest.mark.parametrize("max_tokens", [64, 512, 4096])
+def test_prefill_buffers_hold_one_chunk(max_tokens):
+    dims = load().model("7b")
+    plan = plan_arena(dims, max_tokens)
+    rows = min(load().engine.prefill_chunk_tokens, max_tokens)
+    for name, width in (("p.x", dims.hidden), ("p.qkv", dims.qkv_dim), ("p.gate_up", 2 * dims.intermediate),
+                        ("p.act", dims.intermediate), ("p.attn", dims.q_dim)):
+        assert plan.slots[name][2] == (rows, width), name
+    assert plan.slots["s.prompt"][2][0] >= max_tokens
