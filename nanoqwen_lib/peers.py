@@ -150,6 +150,7 @@ def torch_int4_peer(nq_file, prompt, gen_tokens) -> dict:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
+        pos.zero_()                                          # the warm-up steps advanced it
         for tk in prompt:                                    # the prompt, one step at a time
             tok.fill_(tk)
             graph.replay()
