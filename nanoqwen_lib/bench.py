@@ -103,7 +103,7 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     ceiling = measure_read_ceiling()
     itl = _stats(run["itl_ms"])
     ctx_mean = prompt_tokens + gen_tokens // 2
-    need = bytes_per_decode_token(dims, ctx_mean)
+    need = bytes_per_decode_token(dims, ctx_mean, nq_file.encoding)
     bytes_tok = sum(need.values())
     return {
         "protocol": {"batch": proto.batch, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,

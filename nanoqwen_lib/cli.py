@@ -82,7 +82,7 @@ def _check_output_file(path: Path, flag: str) -> None:
 def cmd_pack(a) -> int:
     from .packer import pack_checkpoint
     _check_output_file(a.output, "--output")
-    out = pack_checkpoint(a.checkpoint, a.output, progress=not a.quiet)
+    out = pack_checkpoint(a.checkpoint, a.output, progress=not a.quiet, weights=a.weights)
     print(f"wrote {out} ({out.stat().st_size / 1e9:.3f} GB)")
     return 0
 
@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("pack", help="quantize a Hugging Face checkpoint into a .nanoqwen file")
     s.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json, *.safetensors)")
     s.add_argument("-o", "--output", required=True, type=Path, help="the .nanoqwen file to write")
+    s.add_argument("--weights", choices=["int4", "fp8"], default="int4",
+                   help="encoding of the seven projections: int4 (group 128, the default; the GPU engine "
+                        "reads it) or fp8 (E4M3, one FP32 scale per output row; reference backend only so far)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_pack)
 

@@ -191,6 +191,8 @@ class FormatSpec:
     magic: str
     version: int
     layout_id: int
+    fp8_layout_id: int
+    fp8_max: float
     group_size: int
     alignment: int
     header_bytes: int

@@ -115,6 +115,10 @@ class GpuBackend:
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
                  prefill: str = "tensor-core"):
+        if nq_file.encoding != "int4":       # refused before anything touches the GPU
+            raise LimitError(nq_file.path, "layout_id", "1 (int4): the GPU kernels of this build read INT4 weights",
+                             f"{nq_file.header.layout_id} ({nq_file.encoding})",
+                             "use --backend reference for an FP8 file")
         import cupy as cp
         from . import ops_attention, ops_gemv, ops_prefill
         from .cuda_build import load_module

@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import ModelDims, load
 from .errors import ConfigError, FormatError
-from .layout import packed_tensor_count, packed_tensors
+from .layout import ENCODING_OF_LAYOUT, ENCODINGS, packed_tensor_count, packed_tensors
 
 FMT = load().format
 
@@ -31,7 +31,7 @@ FMT = load().format
 HEADER_FIELDS = [
     ("magic", "8s", "b'NANOQWEN'"),
     ("version", "I", "format version (this build reads 1)"),
-    ("layout_id", "I", "weight layout: 1 = INT4 symmetric, ValueShuffle nibbles"),
+    ("layout_id", "I", "weight encoding: 1 = INT4 symmetric, ValueShuffle nibbles; 2 = FP8 E4M3, row scales"),
     ("group_size", "I", "INT4 group along the input dim (128)"),
     ("alignment", "I", "payload alignment in bytes (128)"),
     ("header_bytes", "I", "256"),
@@ -60,7 +60,7 @@ HEADER_CRC_AT = FMT.header_bytes - 4
 
 DIR_FIELDS = [
     ("name", f"{FMT.dir_name_bytes}s", "UTF-8, NUL-padded"),
-    ("dtype", "I", "1 = fp16, 2 = uint32 (packed INT4), 3 = uint8 (blob)"),
+    ("dtype", "I", "1 = fp16, 2 = uint32 (packed INT4), 3 = uint8 (FP8 codes, blob), 4 = fp32"),
     ("ndim", "I", "1 or 2"),
     ("shape0", "I", "first dim"),
     ("shape1", "I", "second dim (0 if ndim = 1)"),
@@ -70,7 +70,7 @@ DIR_FIELDS = [
     ("nbytes", "Q", "payload length"),
 ]
 DIR_STRUCT = struct.Struct("<" + "".join(code for _, code, _ in DIR_FIELDS))
-DTYPES = {1: np.dtype("<f2"), 2: np.dtype("<u4"), 3: np.dtype("u1")}
+DTYPES = {1: np.dtype("<f2"), 2: np.dtype("<u4"), 3: np.dtype("u1"), 4: np.dtype("<f4")}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 TOKENIZER_BLOB = "tokenizer.json"  # optional: the checkpoint's tokenizer, carried in the file
 DIMS_FIELDS = ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads",
@@ -103,16 +103,18 @@ class Header:
             raise AttributeError(k) from None
 
 
-def expected_entries(dims: ModelDims, tokenizer_bytes: int | None) -> dict[str, tuple[np.dtype, tuple]]:
-    exp = dict(packed_tensors(dims))
+def expected_entries(dims: ModelDims, tokenizer_bytes: int | None,
+                     encoding: str = "int4") -> dict[str, tuple[np.dtype, tuple]]:
+    exp = dict(packed_tensors(dims, encoding))
     if tokenizer_bytes is not None:
         exp[TOKENIZER_BLOB] = (DTYPES[3], (tokenizer_bytes,))
     return exp
 
 
-def plan_layout(dims: ModelDims, tokenizer_bytes: int | None = None) -> tuple[list[TensorEntry], int, int]:
+def plan_layout(dims: ModelDims, tokenizer_bytes: int | None = None,
+                encoding: str = "int4") -> tuple[list[TensorEntry], int, int]:
     """Offsets of every payload: (entries without CRCs, data_offset, file_bytes)."""
-    exp = expected_entries(dims, tokenizer_bytes)
+    exp = expected_entries(dims, tokenizer_bytes, encoding)
     data_offset = align_up(FMT.header_bytes + len(exp) * FMT.dir_entry_bytes)
     entries, off = [], data_offset
     for name, (dt, shape) in exp.items():
@@ -135,9 +137,9 @@ def encode_directory(entries: list[TensorEntry]) -> bytes:
 
 
 def encode_header(dims: ModelDims, entries: list[TensorEntry], data_offset: int,
-                  file_bytes: int, directory: bytes) -> bytes:
+                  file_bytes: int, directory: bytes, encoding: str = "int4") -> bytes:
     values = {
-        "magic": FMT.magic.encode(), "version": FMT.version, "layout_id": FMT.layout_id,
+        "magic": FMT.magic.encode(), "version": FMT.version, "layout_id": ENCODINGS[encoding],
         "group_size": FMT.group_size, "alignment": FMT.alignment,
         "header_bytes": FMT.header_bytes, "dir_entry_bytes": FMT.dir_entry_bytes,
         **{k: getattr(dims, k) for k in DIMS_FIELDS}, "flags": 0,
@@ -179,7 +181,8 @@ def parse_header(path, raw: bytes, file_len: int) -> Header:
     _check(path, "header_crc32", crc == zlib.crc32(raw[:HEADER_CRC_AT]),
            f"{zlib.crc32(raw[:HEADER_CRC_AT]):#010x} (CRC of bytes 0-251)", f"{crc:#010x}",
            "the header is corrupted")
-    _check(path, "layout_id", h["layout_id"] == FMT.layout_id, FMT.layout_id, h["layout_id"],
+    _check(path, "layout_id", h["layout_id"] in ENCODING_OF_LAYOUT,
+           " or ".join(f"{i} ({e})" for i, e in sorted(ENCODING_OF_LAYOUT.items())), h["layout_id"],
            "a weight layout this build does not know; it is never reinterpreted")
     for k in ("group_size", "alignment", "header_bytes", "dir_entry_bytes"):
         _check(path, k, h[k] == getattr(FMT, k), getattr(FMT, k), h[k])
@@ -231,7 +234,7 @@ def parse_directory(path, h: Header, dims: ModelDims, directory: bytes) -> list[
         shape = (s0,) if ndim == 1 else (s0, s1)
         entries.append(TensorEntry(name, DTYPES[code], shape, off, nbytes, crc))
     tok = next((e for e in entries if e.name == TOKENIZER_BLOB), None)
-    expected = expected_entries(dims, tok.shape[0] if tok else None)
+    expected = expected_entries(dims, tok.shape[0] if tok else None, ENCODING_OF_LAYOUT[h.layout_id])
     names = [e.name for e in entries]
     missing = [n for n in expected if n not in seen]
     _check(path, "tensors", not missing, "every tensor of the model", f"{len(missing)} missing",

@@ -1,8 +1,16 @@
 """Which tensors a model has, by name, dtype and shape: the one list every piece agrees on.
 
 Names follow Hugging Face's Qwen2 checkpoints. The seven projections of each layer become
-two tensors in a .nanoqwen file: `<proj>.qweight` (uint32 [out, in/8], ValueShuffle INT4)
-and `<proj>.scales` (fp16 [out, in/group]). Everything else stays FP16 under its HF name.
+two tensors in a .nanoqwen file, by the file's weight encoding (its header's layout_id):
+
+    int4 (layout 1, the default)  `<proj>.qweight` uint32 [out, in/8] (ValueShuffle INT4),
+                                  `<proj>.scales` fp16 [out, in/group]
+    fp8  (layout 2)               `<proj>.qweight` uint8 [out, in] (E4M3 codes, `in`
+                                  contiguous: the K-major operand order of the FP8 MMA),
+                                  `<proj>.scales` fp32 [out] (one per output row)
+
+Everything else stays FP16 under its HF name. `fp16` (the projections unquantized, under
+their HF names) exists for the reference model only, never in a file.
 """
 from __future__ import annotations
 
@@ -11,7 +19,12 @@ import numpy as np
 from .config import ModelDims, load
 
 FP16 = np.dtype("<f2")
+FP32 = np.dtype("<f4")
 UINT32 = np.dtype("<u4")
+UINT8 = np.dtype("u1")
+# Weight encodings a .nanoqwen file may carry: name -> header layout_id.
+ENCODINGS = {"int4": load().format.layout_id, "fp8": load().format.fp8_layout_id}
+ENCODING_OF_LAYOUT = {v: k for k, v in ENCODINGS.items()}
 
 
 def layer_prefix(i: int) -> str:
@@ -41,19 +54,38 @@ def is_quantized(hf_name: str) -> bool:
     return hf_name.endswith("_proj.weight")
 
 
-def packed_tensors(dims: ModelDims) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """Every tensor of a .nanoqwen file, in file order: name -> (dtype, shape)."""
+def packed_tensors(dims: ModelDims, encoding: str = "int4") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every tensor of a .nanoqwen file with this weight encoding, in file order:
+    name -> (dtype, shape)."""
     g = load().format.group_size
+    if encoding not in (*ENCODINGS, "fp16"):
+        raise ValueError(f"weight encoding {encoding!r}: one of {sorted(ENCODINGS)} (or fp16, unquantized)")
     out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
     for name, shape in hf_tensors(dims).items():
-        if is_quantized(name):
+        if is_quantized(name) and encoding != "fp16":
             base = name[: -len(".weight")]
             out_f, in_f = shape
-            out[base + ".qweight"] = (UINT32, (out_f, in_f // 8))
-            out[base + ".scales"] = (FP16, (out_f, in_f // g))
+            if encoding == "int4":
+                out[base + ".qweight"] = (UINT32, (out_f, in_f // 8))
+                out[base + ".scales"] = (FP16, (out_f, in_f // g))
+            else:
+                out[base + ".qweight"] = (UINT8, (out_f, in_f))
+                out[base + ".scales"] = (FP32, (out_f,))
         else:
             out[name] = (FP16, shape)
     return out
+
+
+def encoding_of(tensors) -> str:
+    """The weight encoding of a tensor mapping (a file's, or HF names for fp16), from the
+    first projection it holds."""
+    name = layer_prefix(0) + "self_attn.q_proj."
+    if name + "weight" in tensors:
+        return "fp16"
+    qweight = tensors.get(name + "qweight") if hasattr(tensors, "get") else None
+    if qweight is None:
+        return "int4"                       # check_tensors then names what is missing
+    return "fp8" if np.dtype(qweight.dtype) == UINT8 else "int4"
 
 
 def packed_tensor_count(dims: ModelDims) -> int:
@@ -63,14 +95,19 @@ def packed_tensor_count(dims: ModelDims) -> int:
     return 2 + (0 if dims.tie_embeddings else 1) + dims.num_layers * (2 + 3 + 2 * len(dims.projections()))
 
 
-def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0) -> dict[str, int]:
-    """What one decode token must read from device memory, by kind (batch 1)."""
+def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0, encoding: str = "int4") -> dict[str, int]:
+    """What one decode token must read from device memory, by kind (batch 1). The key
+    "int4_weights" holds the projections' codes whatever the encoding (FP8: a byte each)."""
     g = load().format.group_size
     kvb = load().kv_cache.dtype_bytes
     int4 = scales = 0
     for out_f, in_f in dims.projections().values():
-        int4 += out_f * in_f // 2 * dims.num_layers
-        scales += out_f * (in_f // g) * 2 * dims.num_layers
+        if encoding == "fp8":
+            int4 += out_f * in_f * dims.num_layers
+            scales += out_f * 4 * dims.num_layers
+        else:
+            int4 += out_f * in_f // 2 * dims.num_layers
+            scales += out_f * (in_f // g) * 2 * dims.num_layers
     small = dims.num_layers * (2 * dims.hidden + dims.qkv_dim) * 2 + dims.hidden * 2
     return {
         "int4_weights": int4,

@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import CheckpointError
 from .layout import hf_tensors, is_quantized
-from .quant import dequantize_int4
+from .quant import dequantize_projection
 
 
 def _transformers():
@@ -35,15 +35,15 @@ def _transformers():
 def hf_state_from_packed(dims, tensors) -> dict:
     """Packed tensors (names of layout.packed_tensors, e.g. a .nanoqwen file's) -> the
     Hugging Face state dict of the same model: name -> torch float32, each projection
-    `<p>.weight` [out, in] = dequantize_int4(`<p>.qweight`, `<p>.scales`) exactly."""
+    `<p>.weight` [out, in] = its dequantized W exactly (INT4 or FP8: quant.dequantize_projection)."""
     import torch
 
     state = {}
     for name, shape in hf_tensors(dims).items():
         if is_quantized(name):
             base = name[: -len(".weight")]
-            w = dequantize_int4(np.asarray(tensors[base + ".qweight"]),      # [out, in/8] uint32
-                                np.asarray(tensors[base + ".scales"]))       # [out, in/128] fp16
+            w = dequantize_projection(np.asarray(tensors[base + ".qweight"]),   # INT4 words or FP8 codes
+                                      np.asarray(tensors[base + ".scales"]))
         else:
             w = np.asarray(tensors[name]).astype(np.float32)                 # fp16 -> fp32, exact
         if tuple(w.shape) != tuple(shape):

@@ -19,11 +19,12 @@ from .config import load
 
 
 def _dequantized_fp16(nq_file, name, xp):
-    from .quant import dequantize_int4
+    from .quant import dequantize_projection
     t = nq_file.model_tensors()
     if name.endswith("_proj.weight"):
         base = name[: -len(".weight")]
-        return dequantize_int4(xp.asarray(t[base + ".qweight"]), xp.asarray(t[base + ".scales"]), xp=xp).astype(xp.float16)
+        return dequantize_projection(xp.asarray(t[base + ".qweight"]), xp.asarray(t[base + ".scales"]),
+                                     xp=xp).astype(xp.float16)
     return xp.asarray(t[name])
 
 

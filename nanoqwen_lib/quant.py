@@ -1,4 +1,6 @@
-"""Symmetric group-wise INT4 quantization and the ValueShuffle nibble order.
+"""Weight encodings of the seven projections: INT4 (the default) and FP8 E4M3.
+
+INT4: symmetric group-wise quantization and the ValueShuffle nibble order.
 
 A projection W [out, in] is cut into groups of `group_size` along `in`. Each (row, group)
 gets one FP16 scale = absmax / 7; codes are round(w / scale) in [-7, 7], zero point 0.
@@ -6,6 +8,13 @@ Eight codes w0..w7 (consecutive along `in`) share one uint32; nibble slot i (LSB
 holds w[VALUE_SHUFFLE[i]] = [w0, w2, w4, w6, w1, w3, w5, w7]. With that order the word's
 low nibble of each 16-bit half is a consecutive pair (w0, w1); shifting by 4, 8, 12 gives
 (w2, w3), (w4, w5), (w6, w7): two values per operation in the GEMV's unpack.
+
+FP8 E4M3 (the `e4m3fn` variant Hopper's tensor cores read): 1 sign, 4 exponent bits
+(bias 7), 3 mantissa bits, no infinities, S.1111.111 is NaN, largest finite 448, smallest
+normal 2^-6, subnormals m * 2^-9. A projection gets one FP32 scale per output row,
+absmax / 448, and codes = E4M3(w / scale), rounded to nearest even. W = decode(code) *
+scale; the scale factors out of every dot product of its row, so a kernel applies it once
+per output, after the sum.
 """
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ from .config import load
 _FMT = load().format
 GROUP_SIZE = _FMT.group_size
 QMAX = _FMT.int4_qmax
+FP8_MAX = _FMT.fp8_max
 VALUE_SHUFFLE = np.array(_FMT.value_shuffle, dtype=np.int64)
 
 
@@ -80,3 +90,66 @@ def _unpack_xp(words, xp):
         nib = (w64 >> (4 * slot)) & 0xF
         codes[:, :, value] = xp.where(nib >= 8, nib - 16, nib).astype(xp.int8)
     return codes.reshape(out_f, n_words * 8)
+
+
+# ---- FP8 E4M3 --------------------------------------------------------------------------------
+def _e4m3_table() -> np.ndarray:
+    """The 256 E4M3 code points as float32 (NaN for S.1111.111)."""
+    code = np.arange(256)
+    sign = np.where(code & 0x80, -1.0, 1.0)
+    exp, man = (code >> 3) & 0xF, code & 0x7
+    mag = np.where(exp == 0, man * 2.0 ** -9, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+    out = (sign * mag).astype(np.float32)
+    out[(code & 0x7F) == 0x7F] = np.nan
+    return out
+
+
+E4M3_VALUES = _e4m3_table()
+assert float(np.nanmax(E4M3_VALUES)) == FP8_MAX, "fp8_max in nanoqwen.yaml is E4M3's largest finite value"
+
+
+def fp8_e4m3_encode(x: np.ndarray) -> np.ndarray:
+    """float -> uint8 E4M3 codes, round to nearest even, saturating at +-448 (finite input)."""
+    x = np.asarray(x, dtype=np.float64)
+    if not np.isfinite(x).all():
+        raise ValueError("fp8_e4m3_encode: NaN or Inf in the input")
+    mag = np.minimum(np.abs(x), FP8_MAX)
+    _, e = np.frexp(mag)                                   # mag = m * 2^e, m in [0.5, 1)
+    quantum = np.exp2(np.maximum(e - 1, -6) - 3.0)         # 3 mantissa bits; subnormal below 2^-6
+    r = np.minimum(np.rint(mag / quantum) * quantum, FP8_MAX)   # np.rint: ties to even
+    m2, e2 = np.frexp(r)
+    normal = r >= 2.0 ** -6
+    exp_field = np.where(normal, e2 - 1 + 7, 0)
+    man_field = np.where(normal, np.rint((m2 * 2 - 1) * 8), np.rint(r / 2.0 ** -9))
+    code = (exp_field.astype(np.int64) << 3) | man_field.astype(np.int64)
+    return (code | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
+
+
+def fp8_e4m3_decode(codes, xp=np):
+    """uint8 E4M3 codes -> float32 values (exact)."""
+    return xp.asarray(E4M3_VALUES)[xp.asarray(codes)]
+
+
+def quantize_fp8_rowwise(w: np.ndarray):
+    """W [out, in] (any float) -> (codes uint8 [out, in] E4M3, scales float32 [out]):
+    scale = row absmax / 448 in FP32, codes = E4M3(w / scale); a zero row gets scale 0 and
+    codes 0."""
+    w = np.asarray(w, dtype=np.float32)
+    scales = (np.abs(w).max(axis=1) / np.float32(FP8_MAX)).astype(np.float32)
+    safe = np.where(scales == 0, np.float32(1), scales)
+    codes = fp8_e4m3_encode(w / safe[:, None])
+    codes[scales == 0] = 0
+    return codes, scales
+
+
+def dequantize_fp8(codes, scales, xp=np):
+    """(E4M3 codes uint8 [out, in], FP32 scales [out]) -> float32 W = decode(code) * scale."""
+    return fp8_e4m3_decode(codes, xp) * xp.asarray(scales).astype(xp.float32)[:, None]
+
+
+def dequantize_projection(qweight, scales, xp=np):
+    """A packed projection of either encoding -> float32 W [out, in]: uint32 words are INT4
+    (dequantize_int4), uint8 codes are FP8 E4M3 (dequantize_fp8)."""
+    if np.dtype(qweight.dtype) == np.uint8:
+        return dequantize_fp8(qweight, scales, xp)
+    return dequantize_int4(qweight, scales, xp=xp)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigError, FormatError, LimitError
-from .layout import layer_prefix, packed_tensors
-from .quant import dequantize_int4
+from .layout import encoding_of, layer_prefix, packed_tensors
+from .quant import dequantize_int4, dequantize_projection
 
 ACT_DTYPES = ("float16", "float32")
 
@@ -159,8 +159,13 @@ def load_layer_weights(tensors, i, xp=np) -> LayerWeights:
     """Layer i of a packed-tensor mapping (names of layout.packed_tensors) onto xp."""
     p = layer_prefix(i)
     f32 = lambda name: xp.asarray(tensors[p + name]).astype("float32")  # noqa: E731
-    deq = lambda proj: dequantize_int4(xp.asarray(tensors[p + proj + ".qweight"]),  # noqa: E731
-                                       xp.asarray(tensors[p + proj + ".scales"]), xp=xp)
+
+    def deq(proj):
+        """The projection's W as float32: dequantized (INT4 or FP8), or as stored (fp16)."""
+        if p + proj + ".weight" in tensors:
+            return f32(proj + ".weight")
+        return dequantize_projection(xp.asarray(tensors[p + proj + ".qweight"]),
+                                     xp.asarray(tensors[p + proj + ".scales"]), xp=xp)
     attn, mlp = "self_attn.", "mlp."
     return LayerWeights(
         input_norm=f32("input_layernorm.weight"),
@@ -243,8 +248,9 @@ class KVCache:
 # ---------------------------------------------------------------- the model
 class ReferenceModel:
     """tensors: name -> array with exactly the names, dtypes and shapes of
-    layout.packed_tensors(dims) (fp16 under HF names; `<proj>.qweight` uint32 and
-    `<proj>.scales` fp16), e.g. the mmap of a .nanoqwen file."""
+    layout.packed_tensors(dims, encoding) for one encoding (fp16 under HF names; the
+    projections as INT4 `<proj>.qweight` uint32 + `.scales` fp16, FP8 `.qweight` uint8 +
+    `.scales` fp32, or unquantized fp16 `<proj>.weight`), e.g. the mmap of a .nanoqwen file."""
 
     def __init__(self, dims, tensors, xp=np, act_dtype="float16"):
         if act_dtype not in ACT_DTYPES:
@@ -310,7 +316,7 @@ def argmax_and_gap(logits):
 def check_tensors(dims, tensors, source=None):
     """Refuse a mapping whose names, dtypes or shapes differ from layout.packed_tensors."""
     source = source or getattr(tensors, "path", "<tensors mapping>")
-    want = packed_tensors(dims)
+    want = packed_tensors(dims, encoding_of(tensors))
     extra = sorted(set(tensors) - set(want))
     if extra:
         raise FormatError(source, "tensor names", "only the names of layout.packed_tensors",

@@ -11,11 +11,15 @@ from .packer import pack_checkpoint
 from .synth import RECIPE_VERSION
 
 
-def packed_synthetic(dims_name: str = "tiny", seed: int = 0, progress: bool = False) -> Path:
-    """The .nanoqwen file of the synthetic `dims_name` checkpoint, packed once and cached."""
-    out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}.nanoqwen"
+def packed_synthetic(dims_name: str = "tiny", seed: int = 0, progress: bool = False,
+                     weights: str = "int4") -> Path:
+    """The .nanoqwen file of the synthetic `dims_name` checkpoint, packed once (with the
+    projections' encoding `weights`: int4 or fp8) and cached."""
+    tag = "" if weights == "int4" else f"-{weights}"
+    out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}{tag}.nanoqwen"
     if not out.exists():
-        pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed, progress=progress), out, progress=progress)
+        pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed, progress=progress), out, progress=progress,
+                        weights=weights)
     return out
 
 

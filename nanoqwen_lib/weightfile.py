@@ -18,6 +18,7 @@ import numpy as np
 
 from .config import ModelDims
 from .errors import FormatError
+from .layout import ENCODING_OF_LAYOUT
 from .fileformat import (FMT, TOKENIZER_BLOB, Header, TensorEntry, crc32_of, dims_of,
                          encode_directory, encode_header, parse_directory, parse_header,
                          plan_layout)
@@ -56,6 +57,11 @@ class NanoqwenFile:
                                       f"{crc:#010x}", "payload corrupted")
             tensors[e.name] = buf.view(e.dtype).reshape(e.shape)
         return cls(path, h, dims, entries, tensors, verify_payload)
+
+    @property
+    def encoding(self) -> str:
+        """The projections' weight encoding, from the header's layout_id: "int4" or "fp8"."""
+        return ENCODING_OF_LAYOUT[self.header.layout_id]
 
     @property
     def tokenizer_json(self) -> bytes | None:
@@ -133,11 +139,12 @@ class AtomicOutput:
 
 
 def write_nanoqwen(path, dims: ModelDims, produce, tokenizer_json: bytes | None = None,
-                   progress=None) -> Path:
-    """Write a .nanoqwen file. `produce(name, dtype, shape)` returns that tensor's array
-    (called once per tensor, in file order, so a packer holds one tensor at a time).
-    `progress(nbytes)` is called after each payload."""
-    entries, data_offset, file_bytes = plan_layout(dims, None if tokenizer_json is None else len(tokenizer_json))
+                   progress=None, encoding: str = "int4") -> Path:
+    """Write a .nanoqwen file with this weight encoding. `produce(name, dtype, shape)`
+    returns that tensor's array (called once per tensor, in file order, so a packer holds
+    one tensor at a time). `progress(nbytes)` is called after each payload."""
+    entries, data_offset, file_bytes = plan_layout(dims, None if tokenizer_json is None else len(tokenizer_json),
+                                                   encoding)
     done = []
     with AtomicOutput(path) as out:
         for e in entries:
@@ -155,5 +162,5 @@ def write_nanoqwen(path, dims: ModelDims, produce, tokenizer_json: bytes | None 
         directory = encode_directory(done)
         os.ftruncate(out.fd, file_bytes)  # the file's full length, tail padding included
         out.pwrite(directory, FMT.header_bytes)
-        out.pwrite(encode_header(dims, done, data_offset, file_bytes, directory), 0)
+        out.pwrite(encode_header(dims, done, data_offset, file_bytes, directory, encoding), 0)
     return Path(path)
