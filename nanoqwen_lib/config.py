@@ -301,6 +301,7 @@ def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
         "NQ_GROUP_SIZE": cfg.format.group_size,
         "NQ_ALIGN": cfg.format.alignment,
         "NQ_LAYOUT_ID": cfg.format.layout_id,
+        "NQ_FP8_MAX": int(cfg.format.fp8_max),
         "NQ_PAGE_TOKENS": cfg.kv_cache.page_tokens,
         "NQ_KV_DTYPE_BYTES": cfg.kv_cache.dtype_bytes,
         "NQ_ATTN_STAGES": cfg.kv_cache.attention_stages,

@@ -49,6 +49,7 @@ for what in "$@"; do
       t0=$(date +%s)
       python3 -m pytest --nbval book/ --nbval-sanitize-with book/sanitize.cfg -q -p no:cacheprovider 2>&1 | tee $OUT/nbval.log | tail -8
       echo "nbval: $(( $(date +%s) - t0 )) s" ;;
+    fp8) timeout 300 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee $OUT/fp8.log | grep -E "max err|passed|failed|Error" | tail -40 ;;
     unverified-tests) timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_gemv.py tests/test_gpu_prefill.py 2>&1 | tee $OUT/unverified.log | tail -6 ;;
     book)
       for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done
