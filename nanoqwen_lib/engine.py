@@ -32,26 +32,33 @@ SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")
 SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
 
 
-def plan_arena(dims: ModelDims, max_tokens: int) -> ArenaPlan:
+def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4") -> ArenaPlan:
     """Every device buffer of the engine, by name. Weights are re-arranged for the kernels:
-    q/k/v rows are stacked into one qkv matrix and gate/up into one gate_up matrix."""
+    q/k/v rows are stacked into one qkv matrix and gate/up into one gate_up matrix. The
+    projections' slots follow the file's encoding (INT4 words + fp16 group scales, or FP8
+    codes + fp32 row scales); an FP8 engine adds its activation buffers at the end."""
     g = load().format.group_size
     p = ArenaPlan()
     h, i = dims.hidden, dims.intermediate
+
+    def proj(name: str, n: int, k: int) -> None:
+        if encoding == "fp8":
+            p.add(name + ".qweight", np.uint8, (n, k))
+            p.add(name + ".scales", np.float32, (n,))
+        else:
+            p.add(name + ".qweight", np.uint32, (n, k // 8))
+            p.add(name + ".scales", np.float16, (n, k // g))
+
     p.add("w.embed", np.float16, (dims.vocab, h))
     for l in range(dims.num_layers):
         w = f"w.{l}."
         p.add(w + "ln1", np.float16, (h,))
-        p.add(w + "qkv.qweight", np.uint32, (dims.qkv_dim, h // 8))
-        p.add(w + "qkv.scales", np.float16, (dims.qkv_dim, h // g))
+        proj(w + "qkv", dims.qkv_dim, h)
         p.add(w + "qkv.bias", np.float16, (dims.qkv_dim,))
-        p.add(w + "o.qweight", np.uint32, (h, dims.q_dim // 8))
-        p.add(w + "o.scales", np.float16, (h, dims.q_dim // g))
+        proj(w + "o", h, dims.q_dim)
         p.add(w + "ln2", np.float16, (h,))
-        p.add(w + "gate_up.qweight", np.uint32, (2 * i, h // 8))
-        p.add(w + "gate_up.scales", np.float16, (2 * i, h // g))
-        p.add(w + "down.qweight", np.uint32, (h, i // 8))
-        p.add(w + "down.scales", np.float16, (h, i // g))
+        proj(w + "gate_up", 2 * i, h)
+        proj(w + "down", h, i)
     p.add("w.norm", np.float16, (h,))
     if not dims.tie_embeddings:
         p.add("w.lm_head", np.float16, (dims.vocab, h))
@@ -77,6 +84,10 @@ def plan_arena(dims: ModelDims, max_tokens: int) -> ArenaPlan:
     p.add("s.free_pages", np.int32, (pages,))          # a stack; the step pops from the top
     p.add("s.generated", np.int32, (pages * KV.page_tokens,))  # argmax after each position
     p.add("s.prompt", np.int32, (pages * KV.page_tokens,))     # the prompt's ids (prefill)
+    if encoding == "fp8":
+        p.add("a.act", np.float16, (i,))                        # decode: silu(g) * u for the down GEMV
+        p.add("p.xq", np.uint8, (c * max(h, dims.q_dim, i),))   # prefill: E4M3 activations [T, K]
+        p.add("p.ts", np.float32, (c,))                         # ... and their per-token scales
     return p
 
 
@@ -112,13 +123,14 @@ class GpuBackend:
     """
 
     name = "gpu"
+    encoding = "int4"                 # the weight encoding this class's kernels read
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
                  prefill: str = "tensor-core"):
-        if nq_file.encoding != "int4":       # refused before anything touches the GPU
-            raise LimitError(nq_file.path, "layout_id", "1 (int4): the GPU kernels of this build read INT4 weights",
+        if nq_file.encoding != self.encoding:       # refused before anything touches the GPU
+            raise LimitError(nq_file.path, "layout_id", f"the {self.encoding} encoding for {type(self).__name__}",
                              f"{nq_file.header.layout_id} ({nq_file.encoding})",
-                             "use --backend reference for an FP8 file")
+                             "engine.gpu_backend(file) picks the engine for the file's encoding")
         import cupy as cp
         from . import ops_attention, ops_gemv, ops_prefill
         from .cuda_build import load_module
@@ -127,7 +139,7 @@ class GpuBackend:
         self.cp, self.gemv, self.attn, self.pf = cp, ops_gemv, ops_attention, ops_prefill
         dims = self.dims = nq_file.dims
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
-        self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens), source=nq_file.path)
+        self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding), source=nq_file.path)
         tensors = nq_file.model_tensors()      # validated before this point (NanoqwenFile.open)
         for src, dst, row in weight_sources(dims):
             a.upload(dst, tensors[src], row)
@@ -368,3 +380,12 @@ class GpuBackend:
             rows = self.kv[layer, which][self.cp.asarray(pages)]     # [pages, kv_heads, 16, d]
             out.append(rows.transpose(0, 2, 1, 3).reshape(-1, self.dims.num_kv_heads, self.dims.head_dim)[:n])
         return out
+
+
+def gpu_backend(nq_file, **kwargs) -> GpuBackend:
+    """The GPU engine for the file's weight encoding: GpuBackend (INT4) or
+    engine_fp8.GpuBackendFp8 (FP8 E4M3)."""
+    if nq_file.encoding == "fp8":
+        from .engine_fp8 import GpuBackendFp8
+        return GpuBackendFp8(nq_file, **kwargs)
+    return GpuBackend(nq_file, **kwargs)

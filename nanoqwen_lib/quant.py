@@ -108,26 +108,38 @@ E4M3_VALUES = _e4m3_table()
 assert float(np.nanmax(E4M3_VALUES)) == FP8_MAX, "fp8_max in nanoqwen.yaml is E4M3's largest finite value"
 
 
-def fp8_e4m3_encode(x: np.ndarray) -> np.ndarray:
-    """float -> uint8 E4M3 codes, round to nearest even, saturating at +-448 (finite input)."""
-    x = np.asarray(x, dtype=np.float64)
-    if not np.isfinite(x).all():
+def fp8_e4m3_encode(x, xp=np):
+    """float -> uint8 E4M3 codes, round to nearest even, saturating at +-448 (finite input;
+    any array module)."""
+    x = xp.asarray(x, dtype=xp.float64)
+    if not bool(xp.isfinite(x).all()):
         raise ValueError("fp8_e4m3_encode: NaN or Inf in the input")
-    mag = np.minimum(np.abs(x), FP8_MAX)
-    _, e = np.frexp(mag)                                   # mag = m * 2^e, m in [0.5, 1)
-    quantum = np.exp2(np.maximum(e - 1, -6) - 3.0)         # 3 mantissa bits; subnormal below 2^-6
-    r = np.minimum(np.rint(mag / quantum) * quantum, FP8_MAX)   # np.rint: ties to even
-    m2, e2 = np.frexp(r)
+    mag = xp.minimum(xp.abs(x), FP8_MAX)
+    _, e = xp.frexp(mag)                                   # mag = m * 2^e, m in [0.5, 1)
+    quantum = xp.exp2(xp.maximum(e - 1, -6) - 3.0)         # 3 mantissa bits; subnormal below 2^-6
+    r = xp.minimum(xp.rint(mag / quantum) * quantum, FP8_MAX)   # rint: ties to even
+    m2, e2 = xp.frexp(r)
     normal = r >= 2.0 ** -6
-    exp_field = np.where(normal, e2 - 1 + 7, 0)
-    man_field = np.where(normal, np.rint((m2 * 2 - 1) * 8), np.rint(r / 2.0 ** -9))
-    code = (exp_field.astype(np.int64) << 3) | man_field.astype(np.int64)
-    return (code | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
+    exp_field = xp.where(normal, e2 - 1 + 7, 0)
+    man_field = xp.where(normal, xp.rint((m2 * 2 - 1) * 8), xp.rint(r / 2.0 ** -9))
+    code = (exp_field.astype(xp.int64) << 3) | man_field.astype(xp.int64)
+    return (code | xp.where(xp.signbit(x), 0x80, 0)).astype(xp.uint8)
 
 
 def fp8_e4m3_decode(codes, xp=np):
     """uint8 E4M3 codes -> float32 values (exact)."""
     return xp.asarray(E4M3_VALUES)[xp.asarray(codes)]
+
+
+def fp8_rows(x, xp=np):
+    """The FP8 prefill's activation rounding, per row: x [T, K] float32 -> float32
+    decode(E4M3(x / ts)) * ts with ts = row absmax / 448 (FP32), what
+    kernels/fp8.cu:nq_quantize_rows_fp8 and then nq_gemm_fp8 see. A zero row stays zero."""
+    x = xp.asarray(x, dtype=xp.float32)
+    ts = (xp.abs(x).max(axis=-1) / xp.float32(FP8_MAX)).astype(xp.float32)
+    safe = xp.where(ts == 0, xp.float32(1), ts)
+    q = fp8_e4m3_decode(fp8_e4m3_encode((x / safe[..., None]).astype(xp.float32), xp), xp)
+    return (q * ts[..., None]).astype(xp.float32)
 
 
 def quantize_fp8_rowwise(w: np.ndarray):

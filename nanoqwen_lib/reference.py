@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import ConfigError, FormatError, LimitError
 from .layout import encoding_of, layer_prefix, packed_tensors
-from .quant import dequantize_int4, dequantize_projection
+from .quant import dequantize_int4, dequantize_projection, fp8_rows
 
 ACT_DTYPES = ("float16", "float32")
 
@@ -178,25 +178,27 @@ def load_layer_weights(tensors, i, xp=np) -> LayerWeights:
     )
 
 
-def decoder_layer(x, w: LayerWeights, k_past, v_past, dims, rnd=round_fp16):
+def decoder_layer(x, w: LayerWeights, k_past, v_past, dims, rnd=round_fp16, act_q=None):
     """x [T, hidden] fp32 at positions P..P+T-1; k_past, v_past [P, kv_heads, d] fp32.
 
     -> (x_new [T, hidden], k_new [T, kv_heads, d], v_new [T, kv_heads, d]), all rounded
-    by rnd; k_new (after RoPE) and v_new are what the cache stores."""
+    by rnd; k_new (after RoPE) and v_new are what the cache stores. act_q, when given, is
+    applied to the input of each of the four projections (the FP8 prefill: quant.fp8_rows)."""
     xp = array_module(x)
+    aq = act_q or keep_fp32
     T, P, d = x.shape[0], k_past.shape[0], dims.head_dim
     y = rmsnorm(x, w.input_norm, dims.rms_eps, xp, rnd)
-    qkv = linear(y, w.w_qkv, w.b_qkv, rnd=rnd)
+    qkv = linear(aq(y), w.w_qkv, w.b_qkv, rnd=rnd)
     q = qkv[:, :dims.q_dim].reshape(T, dims.num_heads, d)
     k = qkv[:, dims.q_dim:dims.q_dim + dims.kv_dim].reshape(T, dims.num_kv_heads, d)
     v = qkv[:, dims.q_dim + dims.kv_dim:].reshape(T, dims.num_kv_heads, d)
     cos, sin = rope_tables(xp.arange(P, P + T), d, dims.rope_theta, xp)
     q, k = rnd(apply_rope(q, cos, sin)), rnd(apply_rope(k, cos, sin))
     a = attention_prefill(q, xp.concatenate([k_past, k]), xp.concatenate([v_past, v]), rnd)
-    x = linear(a.reshape(T, dims.q_dim), w.w_o, residual=x, rnd=rnd)
+    x = linear(aq(a.reshape(T, dims.q_dim)), w.w_o, residual=x, rnd=rnd)
     y = rmsnorm(x, w.post_norm, dims.rms_eps, xp, rnd)
-    act = swiglu(linear(y, w.w_gate_up, rnd=rnd), rnd)
-    x = linear(act, w.w_down, residual=x, rnd=rnd)
+    act = swiglu(linear(aq(y), w.w_gate_up, rnd=rnd), rnd)
+    x = linear(aq(act), w.w_down, residual=x, rnd=rnd)
     return x, k, v
 
 
@@ -257,6 +259,10 @@ class ReferenceModel:
             raise ConfigError("ReferenceModel", "act_dtype", f"one of {ACT_DTYPES}", repr(act_dtype))
         check_tensors(dims, tensors)
         self.dims, self.xp, self.act_dtype = dims, xp, act_dtype
+        # An FP8 model's prefill runs its projections on FP8 activations (one E4M3 scale per
+        # token, kernels/fp8.cu); decode keeps them in fp16, as the GEMV does.
+        self.encoding = encoding_of(tensors)
+        self.prefill_act_q = (lambda a: fp8_rows(a, xp)) if self.encoding == "fp8" else None
         self.rnd = round_fp16 if act_dtype == "float16" else keep_fp32
         self.embed = xp.asarray(tensors["model.embed_tokens.weight"])          # [vocab, hidden] fp16
         self.layers = [load_layer_weights(tensors, i, xp) for i in range(dims.num_layers)]
@@ -264,9 +270,10 @@ class ReferenceModel:
         head = "model.embed_tokens.weight" if dims.tie_embeddings else "lm_head.weight"
         self.lm_head = xp.asarray(tensors[head]).astype("float32")             # fp16 values, fp32 math
 
-    def forward(self, ids, cache: KVCache):
+    def forward(self, ids, cache: KVCache, prefill: bool = False):
         """ids [T] (list or NumPy ints) at positions cache.length.. -> logits float32
-        [T, vocab]; appends the T positions to cache."""
+        [T, vocab]; appends the T positions to cache. prefill=True: the prompt's batch (an
+        FP8 model then rounds the projections' inputs to FP8, as its prefill kernels do)."""
         xp, ids = self.xp, np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0 or ids.min() < 0 or ids.max() >= self.dims.vocab:
             found = "no tokens" if ids.size == 0 else f"ids from {ids.min()} to {ids.max()}"
@@ -274,7 +281,8 @@ class ReferenceModel:
         x = self.embed[xp.asarray(ids)].astype("float32")                      # [T, hidden]
         for i, w in enumerate(self.layers):
             k_past, v_past = cache.past(i)
-            x, k, v = decoder_layer(x, w, k_past, v_past, self.dims, self.rnd)
+            x, k, v = decoder_layer(x, w, k_past, v_past, self.dims, self.rnd,
+                                    act_q=self.prefill_act_q if prefill else None)
             cache.write(i, k, v)
         cache.length += len(ids)
         return final_logits(x, self.norm, self.lm_head, self.dims.rms_eps, xp, self.rnd)
@@ -285,7 +293,7 @@ class ReferenceModel:
     def prefill(self, ids):
         """ids [T] -> (logits float32 [T, vocab], cache holding T positions)."""
         cache = self.new_cache(max(64, len(ids)))
-        return self.forward(ids, cache), cache
+        return self.forward(ids, cache, prefill=True), cache
 
     def decode(self, token_id, cache: KVCache):
         """One token at position cache.length -> logits float32 [vocab]."""

@@ -22,7 +22,8 @@ from .config import load
 from .generate import generate_ids
 
 ROOT = Path(__file__).resolve().parent.parent
-UNIT_TESTS = ("tests/test_gpu_gemv.py", "tests/test_gpu_attention.py", "tests/test_gpu_prefill.py")
+UNIT_TESTS = ("tests/test_gpu_gemv.py", "tests/test_gpu_attention.py", "tests/test_gpu_prefill.py",
+              "tests/test_gpu_fp8.py")
 LAYER_TESTS = ("tests/test_gpu_engine.py", "-k", "layer")
 
 
@@ -92,7 +93,7 @@ def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = Non
     """The ladder on the GPU; stops at the first failing stage. Returns what each stage saw."""
     import cupy as cp
 
-    from .engine import GpuBackend
+    from .engine import gpu_backend
     from .reference import ReferenceModel
     v = load().validation
     out = {}
@@ -105,7 +106,7 @@ def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = Non
         else:
             ps = validation_prompts(prompts or v.graph_prompts)
             n = new_tokens or v.graph_gen_tokens
-            engine = GpuBackend(nq_file, max_tokens=max(map(len, ps)) + n + 16)
+            engine = gpu_backend(nq_file, max_tokens=max(map(len, ps)) + n + 16)
             reference = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
             a = greedy_agreement(engine, reference, ps, n)
             progress(a.summary())

@@ -109,11 +109,32 @@ def test_layout_id_is_never_reinterpreted(tmp_path):
         assert field in ei.value.field, str(ei.value)
 
 
-def test_gpu_engine_refuses_fp8_before_the_gpu(fp8_tiny):
+def test_each_gpu_engine_refuses_the_other_encoding_before_the_gpu(fp8_tiny):
+    """The INT4 engine refuses an FP8 file and the FP8 engine an INT4 one, by the header's
+    layout_id, before anything touches a GPU (this runs without one)."""
     from nanoqwen_lib.engine import GpuBackend
-    with pytest.raises(LimitError) as ei:
-        GpuBackend(fp8_tiny)
-    assert ei.value.field == "layout_id" and "fp8" in str(ei.value)
+    from nanoqwen_lib.engine_fp8 import GpuBackendFp8
+    from nanoqwen_lib.synthetic import packed_synthetic
+    from nanoqwen_lib.weightfile import NanoqwenFile
+    for cls, f, found in ((GpuBackend, fp8_tiny, "2 (fp8)"),
+                          (GpuBackendFp8, NanoqwenFile.open(packed_synthetic("tiny")), "1 (int4)")):
+        with pytest.raises(LimitError) as ei:
+            cls(f)
+        assert ei.value.field == "layout_id" and found in str(ei.value), str(ei.value)
+
+
+def test_fp8_rows_is_the_kernels_rounding(rng):
+    """quant.fp8_rows (the reference's FP8 prefill activations) = decode(encode(x / ts)) * ts
+    with ts = row absmax / 448; within half an E4M3 step of x; a zero row stays zero."""
+    x = (rng.standard_normal((5, 896)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float16).astype(np.float32)
+    x[2] = 0
+    got = quant.fp8_rows(x)
+    ts = np.abs(x).max(axis=1) / np.float32(448)
+    assert not got[2].any()
+    live = ts > 0
+    want = quant.fp8_e4m3_decode(quant.fp8_e4m3_encode((x[live] / ts[live, None]).astype(np.float32))) * ts[live, None]
+    np.testing.assert_array_equal(got[live], want)
+    assert (np.abs(got - x) <= 2.0 ** -4 * np.abs(x) + 2.0 ** -10 * ts[:, None] * 1.0001).all()
 
 
 def test_fp8_is_closer_to_the_fp16_weights_than_int4(fp8_tiny):

@@ -10,6 +10,10 @@ for what in "$@"; do
   case $what in
     gpu-tests) python3 -m pytest -m gpu -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu-tests.log | tail -25 ;;
     engine) python3 -m pytest -q -rfE tests/test_gpu_engine.py 2>&1 | tee $OUT/engine.log | tail -25 ;;
+    bench-fp8)
+      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b', weights='fp8'))")
+      python3 -m nanoqwen_lib bench "$f" --no-verify --breakdown --json $OUT/bench-fp8.json 2>&1 | tee $OUT/bench-fp8.log | grep -v '^\[' ;;
+    fp8-engine) timeout 400 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/test_gpu_engine_fp8.py 2>&1 | tee $OUT/fp8-engine.log | grep -E "error|passed|failed|Error|fp8 tiny" | tail -30 ;;
     bench|bench-peers)
       f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b'))")
       peers=""; [ $what = bench-peers ] && peers=--peers
