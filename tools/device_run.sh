@@ -54,6 +54,14 @@ for what in "$@"; do
       python3 -m pytest --nbval book/ --nbval-sanitize-with book/sanitize.cfg -q -p no:cacheprovider 2>&1 | tee $OUT/nbval.log | tail -8
       echo "nbval: $(( $(date +%s) - t0 )) s" ;;
     fp8) timeout 300 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee $OUT/fp8.log | grep -E "max err|passed|failed|Error" | tail -40 ;;
+    profile-decode)
+      # ncu over the eager decode steps of the 7B (tools/profile_decode.py); the CSV comes back.
+      # Counts: the prefill's kernels, then STEPS eager steps; keep the last ~300 nq_ launches.
+      timeout 500 ncu --clock-control none --cache-control none --kernel-name regex:"^nq_(gemv|rmsnorm|rope|paged|lm_head|embed|step|argmax)" \
+        --launch-skip ${NCU_SKIP:-300} --launch-count ${NCU_COUNT:-300} \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section LaunchStats --csv --page raw python3 tools/profile_decode.py > $OUT/decode-ncu.csv 2>$OUT/decode-ncu.err
+      tail -3 $OUT/decode-ncu.err; wc -l $OUT/decode-ncu.csv ;;
     unverified-tests) timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_gemv.py tests/test_gpu_prefill.py 2>&1 | tee $OUT/unverified.log | tail -6 ;;
     book)
       for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done
