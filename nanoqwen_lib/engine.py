@@ -371,6 +371,12 @@ class GpuBackend:
         self.launch_step(None if self.graphs is not None and self.use_graphs else int(token))
         return self.token_at(self.position - 1)
 
+    def force(self, token: int) -> int:
+        """One step on `token` given by the host (teacher forcing: validate.forced_agreement),
+        enqueued eagerly, whatever the argmax before it was."""
+        self.launch_step(int(token))
+        return self.token_at(self.position - 1)
+
     def cached_kv(self, layer: int, n: int):
         """K, V of positions [0, n) of `layer` gathered from the pages: [n, kv_heads, d] each."""
         self.stream.synchronize()

@@ -4,7 +4,9 @@
     layer  one decoder block against the reference (tests/test_gpu_engine.py -k layer)
     graph  greedy tokens of the engine (graph replay) against the reference model on CuPy:
            `graph_prompts` prompts x `graph_gen_tokens` tokens (nanoqwen.yaml), at least
-           `token_match_min` identical, divergences at near-ties counted apart
+           `token_match_min` identical, divergences at near-ties counted apart. Reported
+           beside it, not gating: the teacher-forced match (`forced_agreement`), where
+           every step is fed the reference's token, so one divergence costs one token.
 
 The unit and layer stages are the GPU test files, run by pytest from the checkout; the
 graph stage is `greedy_agreement`, which also backs the model test.
@@ -61,12 +63,13 @@ def validation_prompts(n: int, seed: int = 0, vocab: int = 151643) -> list[list[
     return [rng.integers(0, vocab, L).tolist() for L in lengths]
 
 
-def greedy_agreement(candidate, reference, prompts, new_tokens: int) -> Agreement:
-    """candidate: a generate.py backend; reference: a ReferenceModel (greedy -> ids, gaps)."""
+def greedy_agreement(candidate, reference, prompts, new_tokens: int, refs=None) -> Agreement:
+    """candidate: a generate.py backend; reference: a ReferenceModel (greedy -> ids, gaps);
+    refs: the reference's (ids, gaps) per prompt, when already computed."""
     near = load().validation.near_tie_logit_gap
     a = Agreement()
     for k, p in enumerate(prompts):
-        want, gaps = reference.greedy(p, new_tokens)
+        want, gaps = refs[k] if refs is not None else reference.greedy(p, new_tokens)
         got = list(generate_ids(candidate, p, new_tokens))
         a.tokens += new_tokens
         for i, (x, y) in enumerate(zip(got, want)):
@@ -78,6 +81,47 @@ def greedy_agreement(candidate, reference, prompts, new_tokens: int) -> Agreemen
                     a.uncompared_after_near_ties += new_tokens - i
                 break
             a.identical += 1
+    return a
+
+
+@dataclass
+class ForcedAgreement:
+    """Teacher-forced: each step of the candidate gets the reference's previous token, so
+    each step's argmax is compared on the same context, on its own."""
+    tokens: int = 0
+    identical: int = 0
+    near_tie_mismatches: int = 0        # mismatches where the reference's top-2 gap was a near-tie
+    mismatches: list = field(default_factory=list)   # (prompt, step, ref gap), first 50
+
+    @property
+    def match(self) -> float:
+        """Identical over compared, near-tie mismatches counted apart (left out)."""
+        compared = self.tokens - self.near_tie_mismatches
+        return self.identical / compared if compared else 1.0
+
+    def summary(self) -> str:
+        return (f"teacher-forced: {self.identical}/{self.tokens} steps identical, {self.near_tie_mismatches} "
+                f"mismatches at near-ties; match {100 * self.match:.2f}%")
+
+
+def forced_agreement(candidate, reference, prompts, new_tokens: int, refs=None) -> ForcedAgreement:
+    """candidate: a backend with prefill(ids) -> token and force(token) -> token (one step
+    on the given input token; GpuBackend.force); reference: a ReferenceModel."""
+    near = load().validation.near_tie_logit_gap
+    a = ForcedAgreement()
+    for k, p in enumerate(prompts):
+        want, gaps = refs[k] if refs is not None else reference.greedy(p, new_tokens)
+        got = candidate.prefill(list(p))
+        for i in range(new_tokens):
+            if i:
+                got = candidate.force(want[i - 1])
+            a.tokens += 1
+            if got == want[i]:
+                a.identical += 1
+            else:
+                a.near_tie_mismatches += gaps[i] < near
+                if len(a.mismatches) < 50:
+                    a.mismatches.append((k, i, float(gaps[i])))
     return a
 
 
@@ -108,9 +152,13 @@ def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = Non
             n = new_tokens or v.graph_gen_tokens
             engine = gpu_backend(nq_file, max_tokens=max(map(len, ps)) + n + 16)
             reference = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
-            a = greedy_agreement(engine, reference, ps, n)
+            refs = [reference.greedy(p, n) for p in ps]
+            a = greedy_agreement(engine, reference, ps, n, refs)
             progress(a.summary())
-            out[stage] = {"passed": a.passes(), **asdict(a), "match": a.match}
+            f = forced_agreement(engine, reference, ps, n, refs)
+            progress(f.summary())
+            out[stage] = {"passed": a.passes(), **asdict(a), "match": a.match,
+                          "forced": {**asdict(f), "match": f.match}}
         if not out[stage]["passed"]:
             progress(f"stage {stage} failed: the ladder stops here")
             break

@@ -3,7 +3,7 @@ diverge where the reference was sure."""
 import numpy as np
 
 from nanoqwen_lib.config import load
-from nanoqwen_lib.validate import greedy_agreement, validation_prompts
+from nanoqwen_lib.validate import forced_agreement, greedy_agreement, validation_prompts
 
 V = load().validation
 
@@ -65,3 +65,32 @@ def test_prompts_cover_page_boundaries():
     lengths = {len(p) for p in ps}
     assert len(ps) == V.graph_prompts and {1, 15, 16, 17, 31, 32, 33, 48, 49, 64} <= lengths
     assert validation_prompts(5) == validation_prompts(5)
+
+
+class Forced(Replay):
+    """A teacher-forced candidate: its answer at step i is `answers[i]`, and it records the
+    tokens it was forced with."""
+
+    def prefill(self, prompt):
+        self.i, self.fed = 0, []
+        return self.ids[0]
+
+    def force(self, token):
+        self.fed.append(token)
+        self.i += 1
+        return self.ids[self.i]
+
+
+def test_forced_mismatch_costs_one_token_and_feeds_the_reference():
+    gaps = [1.0] * 10
+    gaps[6] = V.near_tie_logit_gap / 2
+    ref = Scripted(list(range(10)), gaps)
+    got = list(range(10))
+    got[3], got[6] = 99, 98                       # one confident mismatch, one at a near-tie
+    cand = Forced(got)
+    a = forced_agreement(cand, ref, [[5]], 10)
+    assert cand.fed == list(range(9))              # always the reference's previous token
+    assert (a.tokens, a.identical, a.near_tie_mismatches) == (10, 8, 1)
+    assert np.isclose(a.match, 8 / 9) and a.mismatches == [(0, 3, 1.0), (0, 6, gaps[6])]
+    b = greedy_agreement(Replay(got), ref, [[5]], 10)   # free-running: the stream is lost at 3
+    assert b.identical == 3
