@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import site
+import struct
 from pathlib import Path
 
 from .config import ModelDims, cuda_defines
@@ -84,6 +85,68 @@ def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict 
         return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _whole_elf(cubin: bytes) -> bytes:
+    """NVRTC's CUBIN as CuPy returns it can miss trailing bytes of the ELF (its tables end
+    past the buffer); pad it to the length the ELF header implies, for nvdisasm."""
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    need = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\0" * max(0, need - len(cubin))
+
+
+def nvdisasm_path() -> str | None:
+    """nvdisasm: $NVDISASM, PATH, the PyPI wheel `nvidia-cuda-nvdisasm` (the cuda13 extra
+    installs it), or a CUDA toolkit."""
+    import shutil
+    if os.environ.get("NVDISASM"):
+        return os.environ["NVDISASM"]
+    if shutil.which("nvdisasm"):
+        return shutil.which("nvdisasm")
+    for root in list(site.getsitepackages()) + [site.getusersitepackages()]:
+        for sub in ("nvidia/cu13/bin/nvdisasm", "nvidia/cu12/bin/nvdisasm"):
+            if (Path(root) / sub).exists():
+                return str(Path(root) / sub)
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env) and (Path(os.environ[env]) / "bin/nvdisasm").exists():
+            return str(Path(os.environ[env]) / "bin/nvdisasm")
+    return None
+
+
+def sass(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None) -> str:
+    """The SASS of kernels/<name>.cu as the runtime builds it for sm_90 (NVRTC, no GPU),
+    disassembled by nvdisasm."""
+    import subprocess
+    import tempfile
+    tool = nvdisasm_path()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set NVDISASM)")
+    cubin, _ = compile_cubin(name, dims, extra_defines)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(_whole_elf(cubin))
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_loops(sass_text: str, kernel: str) -> list[list[str]]:
+    """The loops of one kernel in `sass` text (a backward branch to a label), each as its
+    list of opcodes with their modifiers (predicates dropped), in program order."""
+    import re
+    start = sass_text.index(f".text.{kernel}:")
+    end = sass_text.find("//----", start)
+    instrs, labels = [], {}
+    for line in sass_text[start:end if end > 0 else None].splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(instrs)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            instrs.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
+    out = []
+    for i, ins in enumerate(instrs):
+        m = re.search(r"BRA\s.*?(\.L_x_\d+)", ins)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            out.append([x.split()[0] for x in instrs[labels[m.group(1)]:i + 1]])
+    return out
 
 
 def resource_report(log: str) -> list[str]:

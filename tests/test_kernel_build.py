@@ -85,3 +85,24 @@ def test_tuned_table_is_built_and_consistent():
         assert -(-(k // 128) // s) * 320 <= 48 * 1024, (fn, n, k, s)
     t, s = ops_gemv.gemv_config("gemv_int4", 1000, 1152)          # not in the table
     assert s == 1 and t["NQ_GEMV_UNROLL"] == ops_gemv.GEMV_FALLBACK["NQ_GEMV_UNROLL"]
+
+
+def test_sass_of_the_hot_loops():
+    """What the kernels compile to (nvdisasm, no GPU). The INT4 GEMV's main loop runs on the
+    tensor cores and stays under the issue budget at the read ceiling (~3.7 lane-
+    instructions per INT4 weight on an H200, DESIGN.md); the FP8 GEMV converts codes with
+    the hardware's E4M3 unpack."""
+    import collections
+    if cuda_build.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (the cuda13 extra brings it)")
+    from nanoqwen_lib import ops_gemv
+    loops = cuda_build.sass_loops(cuda_build.sass("gemv_int4", None, dict(ops_gemv.GEMV_TUNING)), "nq_gemv_int4")
+    main = max(loops, key=len)
+    count = collections.Counter(main)
+    loads = sum(v for k, v in count.items() if k.startswith("LDG") and ".128" in k)
+    assert count["HMMA.16816.F32"] > 0 and loads > 0
+    per_weight = len(main) / (32 * loads)
+    print(f"nq_gemv_int4 main loop: {len(main)} instructions, {loads} 16-byte loads, {per_weight:.2f} per weight")
+    assert per_weight < 3.7, per_weight
+    fp8 = collections.Counter(max(cuda_build.sass_loops(cuda_build.sass("fp8"), "nq_gemv_fp8"), key=len))
+    assert any(k.startswith("F2FP.F16.E4M3.UNPACK") for k in fp8), fp8.most_common(5)
