@@ -49,12 +49,22 @@ def _cuda_include_dirs() -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
+def kernel_arch(name: str) -> str:
+    """The target of kernels/<name>.cu: ARCH, or what its `// nq-arch: sm_90a` line names
+    (wgmma and setmaxnreg exist only on the architecture-specific sm_90a target)."""
+    for line in kernel_source(name).splitlines()[:20]:
+        stripped = line.strip()
+        if stripped.startswith("// nq-arch:"):
+            return stripped.split(":", 1)[1].strip()
+    return ARCH
+
+
 def compile_options(dims: ModelDims | None = None, extra_defines: dict | None = None,
-                    include_cuda: bool = True) -> tuple[str, ...]:
+                    include_cuda: bool = True, arch: str = ARCH) -> tuple[str, ...]:
     """The exact NVRTC options of the runtime (CPU check and GPU load share them)."""
     defines = dict(cuda_defines(dims))
     defines.update(extra_defines or {})
-    opts = [f"--gpu-architecture={ARCH}", "--std=c++17", f"-I{KERNEL_DIR}"]
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", f"-I{KERNEL_DIR}"]
     if include_cuda:
         opts += [f"-I{d}" for d in _cuda_include_dirs()]
     opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
@@ -68,7 +78,8 @@ def kernel_source(name: str) -> str:
 
 def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None,
                   name_expressions: tuple[str, ...] = ()) -> tuple[bytes, str]:
-    """Compile kernels/<name>.cu for sm_90 through NVRTC without a GPU. Returns (cubin, log)."""
+    """Compile kernels/<name>.cu for its target (sm_90, or its nq-arch line) through NVRTC
+    without a GPU. Returns (cubin, log)."""
     from cupy_backends.cuda.libs import nvrtc
 
     src = kernel_source(name)
@@ -76,7 +87,7 @@ def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict 
     try:
         for expr in name_expressions:
             nvrtc.addNameExpression(prog, expr)
-        opts = compile_options(dims, extra_defines) + ("-Xptxas=-v",)
+        opts = compile_options(dims, extra_defines, arch=kernel_arch(name)) + ("-Xptxas=-v",)
         try:
             nvrtc.compileProgram(prog, list(opts))
         except nvrtc.NVRTCError as e:
@@ -159,7 +170,7 @@ def resource_report(log: str) -> list[str]:
 def _load_module_cached(name: str, dims: ModelDims | None, extra: tuple) -> "object":
     import cupy
 
-    opts = compile_options(dims, dict(extra), include_cuda=True)
+    opts = compile_options(dims, dict(extra), include_cuda=True, arch=kernel_arch(name))
     return cupy.RawModule(code=kernel_source(name), options=opts, backend="nvrtc")
 
 

@@ -2,8 +2,12 @@
 
     gemv_fp8(x, codes, scales, out, bias=None, residual=None)   decode: out = s * (codes . x) [+ b] [+ r]
     quantize_rows_fp8(x, xq, ts)                                 prefill: xq = E4M3(x / ts), per row
-    gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None)
+    gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, impl=GEMM_IMPL)
                                                                  prefill: out = ts s (xq codes^T) [+ b] [+ r]
+
+gemm_fp8 has two kernels with one contract: "mma_sync" (fp8.cu, sm_90: ptxas emulates the
+E4M3 MMA with FP16 HMMA) and "wgmma" (wgmma_fp8.cu, sm_90a: Hopper's FP8 tensor cores,
+QGMMA). The default stays "mma_sync" until the wgmma kernel has passed its GPU tests.
 
 codes uint8 [N, K] (E4M3, K contiguous) and scales fp32 [N] are a projection as the file
 stores it (quant.quantize_fp8_rowwise). Every argument is checked before a kernel sees it.
@@ -21,12 +25,15 @@ from .launch_checks import check_device_buffer, check_no_alias, device_ptr
 GEMV_THREADS, GEMV_ROWS_PER_CTA = 256, 8
 QUANT_THREADS = 256
 GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS = 64, 64, 64, 128
+WGMMA_BM, WGMMA_BN, WGMMA_BK, WGMMA_THREADS = 64, 64, 128, 128
+GEMM_IMPLS = ("mma_sync", "wgmma")
+GEMM_IMPL = "mma_sync"
 SMEM_LIMIT = 48 * 1024             # the GEMV keeps x (fp16) in shared memory: K <= 24576
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str):
-    return cuda_build.load_module("fp8", None).get_function(name)
+def _kernel(name: str, module: str = "fp8"):
+    return cuda_build.load_module(module, None).get_function(name)
 
 
 def _check(fn, field, a, dtype, shape):
@@ -75,11 +82,13 @@ def quantize_rows_fp8(x, xq, ts) -> None:
     _kernel("nq_quantize_rows_fp8")((t,), (QUANT_THREADS,), (x, xq, ts, np.int32(k)))
 
 
-def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None) -> None:
-    """out fp16 [T, N] = fp16(ts[t] scales[n] (xq codes^T)[t, n] [+ bias] [+ residual]) on
-    E4M3 tensor cores (mma.sync.m16n8k32), FP32 accumulation; xq uint8 [T, K], ts fp32 [T]
-    (quantize_rows_fp8); residual may be `out` (in place)."""
-    n, k = _weights("gemm_fp8", codes, scales, GEMM_BK)
+def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, impl: str = GEMM_IMPL) -> None:
+    """out fp16 [T, N] = fp16(ts[t] scales[n] (xq codes^T)[t, n] [+ bias] [+ residual]) with
+    E4M3 operands and FP32 accumulation; xq uint8 [T, K], ts fp32 [T] (quantize_rows_fp8);
+    residual may be `out` (in place). impl: "mma_sync" (K a multiple of 64) or "wgmma" (128)."""
+    if impl not in GEMM_IMPLS:
+        raise NanoqwenError("ops_fp8.gemm_fp8", "impl", f"one of {GEMM_IMPLS}", repr(impl))
+    n, k = _weights("gemm_fp8", codes, scales, GEMM_BK if impl == "mma_sync" else WGMMA_BK)
     if getattr(xq, "ndim", 0) != 2 or xq.shape[0] < 1:
         raise NanoqwenError("ops_fp8.gemm_fp8", "xq.shape", "(T, K), T >= 1", getattr(xq, "shape", None))
     t = xq.shape[0]
@@ -92,7 +101,8 @@ def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None) -> None:
         _check("gemm_fp8", "residual", residual, np.float16, (t, n))
     if t * max(k, n) >= 2**31 or n * k >= 2**31:
         raise LimitError("ops_fp8.gemm_fp8", "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
-    grid = (-(-t // GEMM_BM), -(-n // GEMM_BN))
-    _kernel("nq_gemm_fp8")(grid, (GEMM_THREADS,),
-                           (xq, ts, codes, scales, device_ptr(bias), device_ptr(residual), out,
-                            np.int32(t), np.int32(n), np.int32(k)))
+    args = (xq, ts, codes, scales, device_ptr(bias), device_ptr(residual), out, np.int32(t), np.int32(n), np.int32(k))
+    if impl == "wgmma":
+        _kernel("nq_gemm_fp8_wgmma", "wgmma_fp8")((-(-t // WGMMA_BM), -(-n // WGMMA_BN)), (WGMMA_THREADS,), args)
+    else:
+        _kernel("nq_gemm_fp8")((-(-t // GEMM_BM), -(-n // GEMM_BN)), (GEMM_THREADS,), args)

@@ -88,9 +88,13 @@ def test_quantize_rows_bit_exact(rng, t, k):
     assert bad.size == 0, [(tuple(i), got[tuple(i)], want[tuple(i)]) for i in bad[:4]]
 
 
+@pytest.mark.parametrize("impl", ops_fp8.GEMM_IMPLS)
 @pytest.mark.parametrize("t", [1, 17, 64, 100, 512])
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944), (130, 896)])
-def test_gemm_fp8(rng, t, n, k):
+def test_gemm_fp8(rng, t, n, k, impl):
+    """Both kernels of one contract: mma_sync (emulated on sm_90) and wgmma (sm_90a, QGMMA).
+    The wgmma case is the layout probe of kernels/wgmma_fp8.cu: a wrong descriptor or
+    fragment map is off by the whole sum, and the first mismatches are printed."""
     if t == 512 and k == 18944:
         pytest.skip("covered by smaller T at this shape (host reference time)")
     xq = rand_codes(rng, t, k)
@@ -101,13 +105,13 @@ def test_gemm_fp8(rng, t, n, k):
     res = rng.standard_normal((t, n)).astype(np.float16)
     out = cp.full((t, n), np.nan, cp.float16)
     ops_fp8.gemm_fp8(cp.asarray(xq), cp.asarray(ts), cp.asarray(codes), cp.asarray(scales), out,
-                     bias=cp.asarray(bias), residual=cp.asarray(res))
+                     bias=cp.asarray(bias), residual=cp.asarray(res), impl=impl)
     a = cp.asarray(quant.E4M3_VALUES[xq].astype(np.float64))
     w = cp.asarray(quant.E4M3_VALUES[codes].astype(np.float64))
     s = cp.asarray(ts.astype(np.float64))[:, None] * cp.asarray(scales.astype(np.float64))[None, :]
     ref = (s * (a @ w.T)).get() + bias + res
     absdot = (s * (cp.abs(a) @ cp.abs(w).T)).get()
-    check(f"gemm_fp8 T={t} {n}x{k}", out.get(), ref, absdot, k, mma=True)
+    check(f"gemm_fp8 {impl} T={t} {n}x{k}", out.get(), ref, absdot, k, mma=True)
 
 
 def test_fp8_launch_checks():
