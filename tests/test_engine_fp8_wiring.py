@@ -1,0 +1,99 @@
+"""The FP8 engine's wiring, on the CPU: every launch GpuBackendFp8 swaps in (decode and
+prefill) is run through its launcher's checks against a stand-in arena, with the kernels
+replaced by a recorder. Dtypes, shapes, contiguity, 128-byte alignment and aliasing of
+every argument are checked exactly as on the GPU; only the kernels do not run (their
+numbers are tests/test_gpu_fp8.py's and tests/test_gpu_engine_fp8.py's)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from nanoqwen_lib import ops_attention, ops_fp8, ops_gemv, ops_prefill
+from nanoqwen_lib.config import load
+from nanoqwen_lib.engine import plan_arena
+from nanoqwen_lib.engine_fp8 import GpuBackendFp8
+
+
+class HostDeviceArray(np.ndarray):
+    """A NumPy array standing in for a cupy.ndarray: `.data.ptr` is its real address."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+def stand_in_arena(plan):
+    raw = np.zeros(plan.nbytes + 256, np.uint8)
+    base = (-raw.__array_interface__["data"][0]) % 128            # the arena starts 128-byte aligned
+    views = {}
+    for name, (off, dtype, shape) in plan.slots.items():
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        views[name] = raw[base + off: base + off + n].view(dtype).reshape(shape).view(HostDeviceArray)
+    return views
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    calls = []
+
+    def kernel(name, *_):
+        def launch(grid, block, args, shared_mem=0):
+            calls.append((name, tuple(grid), tuple(block)))
+        return launch
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=HostDeviceArray))
+    monkeypatch.setattr(ops_fp8, "_kernel", kernel)
+    monkeypatch.setattr(ops_prefill, "_gemm_kernel", lambda name, *a: kernel(name))
+    return calls
+
+
+def fp8_engine(dims_name: str, max_tokens: int) -> GpuBackendFp8:
+    eng = object.__new__(GpuBackendFp8)         # no GPU: only what the launch lists read
+    eng.dims = load().model(dims_name)
+    eng.arena = stand_in_arena(plan_arena(eng.dims, max_tokens, "fp8"))
+    eng.chunk = eng.arena["p.x"].shape[0]
+    eng.gemv, eng.attn, eng.pf = ops_gemv, ops_attention, ops_prefill
+    eng.kv = eng.arena["kv"]
+    eng.scalar = {}
+    return eng
+
+
+SWAPPED_DECODE = {"qkv_gemv": ["nq_gemv_fp8"], "o_proj": ["nq_gemv_fp8"], "gate_up_gemv": ["nq_gemv_fp8"],
+                  "swiglu_down": ["nq_swiglu_act", "nq_gemv_fp8"]}
+SWAPPED_PREFILL = {"qkv_gemm": ["nq_quantize_rows_fp8", "nq_gemm_fp8"],
+                   "o_proj_gemm": ["nq_quantize_rows_fp8", "nq_gemm_fp8"],
+                   "gate_up_gemm": ["nq_quantize_rows_fp8", "nq_gemm_fp8"],
+                   "swiglu_down_gemm": ["nq_swiglu_act", "nq_quantize_rows_fp8", "nq_gemm_fp8"]}
+
+
+@pytest.mark.parametrize("dims_name", ["7b", "tiny", "tiny-hd64"])
+def test_fp8_decode_launches_pass_their_checks(recorded, dims_name):
+    eng = fp8_engine(dims_name, 256)
+    for layer in (0, eng.dims.num_layers - 1):
+        launches = eng.layer_launches(layer)
+        assert [n for n, _ in launches].count("norms") == 2 and len(launches) == 8
+        for name, launch in launches:
+            if name in SWAPPED_DECODE:
+                del recorded[:]
+                launch()
+                assert [c[0] for c in recorded] == SWAPPED_DECODE[name], name
+
+
+@pytest.mark.parametrize("dims_name,t,start", [("7b", 512, 0), ("7b", 37, 512), ("tiny", 1, 0), ("tiny-hd64", 100, 16)])
+def test_fp8_prefill_launches_pass_their_checks(recorded, dims_name, t, start):
+    eng = fp8_engine(dims_name, 1024)
+    launches = eng.prefill_launches(start, t)
+    assert len(launches) == 1 + 8 * eng.dims.num_layers
+    seen = set()
+    for name, launch in launches:
+        if name in SWAPPED_PREFILL:
+            del recorded[:]
+            launch()
+            assert [c[0] for c in recorded] == SWAPPED_PREFILL[name], name
+            gemm = recorded[-1]
+            assert gemm[1][0] == -(-t // ops_fp8.GEMM_BM)          # token tiles of the GEMM grid
+            seen.add(name)
+    assert seen == set(SWAPPED_PREFILL)
