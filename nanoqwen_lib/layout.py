@@ -126,12 +126,15 @@ def decode_gemv_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
     return {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * i, h), "down": (h, i)}
 
 
-def decode_region_bytes(dims: ModelDims, context_tokens: int) -> dict[str, int]:
+def decode_region_bytes(dims: ModelDims, context_tokens: int, encoding: str = "int4") -> dict[str, int]:
     """Weight and K/V bytes each region of a decode token must read (the regions of
     GpuBackend.step_launches; activations left out, as in bytes_per_decode_token, whose
     total this matches): the floor of each region is its bytes over the read ceiling."""
     g, L = load().format.group_size, dims.num_layers
-    int4 = {name: n * k // 2 + n * (k // g) * 2 for name, (n, k) in decode_gemv_shapes(dims).items()}
+    if encoding == "fp8":        # one byte per weight, one fp32 scale per row
+        int4 = {name: n * k + 4 * n for name, (n, k) in decode_gemv_shapes(dims).items()}
+    else:
+        int4 = {name: n * k // 2 + n * (k // g) * 2 for name, (n, k) in decode_gemv_shapes(dims).items()}
     kvb = load().kv_cache.dtype_bytes
     return {
         "embed": dims.hidden * 2,

@@ -67,9 +67,10 @@ def test_region_bytes_cover_the_decode_token_once(name):
     from nanoqwen_lib.layout import decode_region_bytes
     dims = load().model(name)
     for ctx in (1, 577, 4096):
-        per_region = decode_region_bytes(dims, ctx)
-        assert tuple(per_region) == REGIONS
-        assert sum(per_region.values()) == sum(bytes_per_decode_token(dims, ctx).values())
+        for encoding in ("int4", "fp8"):
+            per_region = decode_region_bytes(dims, ctx, encoding)
+            assert tuple(per_region) == REGIONS
+            assert sum(per_region.values()) == sum(bytes_per_decode_token(dims, ctx, encoding).values())
 
 
 @pytest.mark.parametrize("max_tokens", [64, 512, 4096])
