@@ -12,12 +12,7 @@
 //
 // v0, correctness first: plain 16-byte loads, one shared-memory stage; PERFLOG.md says
 // what is measured. Requires sm_89 or newer (E4M3 cvt and MMA); this build targets sm_90.
-#include "common.cuh"
-
-#ifndef NQ_FP8_MAX
-#error "NQ_FP8_MAX comes from nanoqwen.yaml (format.fp8_max) via nanoqwen_lib.config.cuda_defines"
-#endif
-static_assert(NQ_FP8_MAX == 448, "E4M3 (e4m3fn): largest finite value 448");
+#include "fp8.cuh"
 
 namespace nqfp8 {
 constexpr int kGemvThreads = 256;       // 8 warps, one output row per warp at a time
@@ -212,12 +207,7 @@ nq_gemm_fp8(const unsigned char* __restrict__ xq, const float* __restrict__ ts,
       for (int r = 0; r < 4; ++r) {
         const int t = t0 + wm * 32 + i * 16 + g + (r >= 2 ? 8 : 0);
         const int n = n0 + wn * 32 + j * 8 + 2 * tig + (r & 1);
-        if (t < T && n < N) {
-          float y = acc[i][j][r] * (ts[t] * scales[n]);
-          if (bias) y += __half2float(bias[n]);
-          if (residual) y += __half2float(residual[(size_t)t * N + n]);
-          out[(size_t)t * N + n] = __float2half_rn(y);
-        }
+        store_scaled(out, ts, scales, bias, residual, t, n, T, N, acc[i][j][r]);
       }
 }
 // [/gemm-fp8]

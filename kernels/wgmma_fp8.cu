@@ -21,7 +21,7 @@
 // so the core matrix next along K is 128 bytes away (the descriptor's leading-dimension
 // byte offset, LBO) and the next 8-row group is 1024 bytes away (stride byte offset, SBO).
 // One wgmma (k32) reads two core matrices along K: the k-step s starts at byte 256 s.
-#include "common.cuh"
+#include "fp8.cuh"
 
 namespace nqw {
 constexpr int kBM = 64, kBN = 64, kBK = 128;   // tile: tokens x features x bytes of k
@@ -103,12 +103,7 @@ nq_gemm_fp8_wgmma(const unsigned char* __restrict__ xq, const float* __restrict_
     for (int r = 0; r < 4; ++r) {
       const int t = t0 + 16 * warp + (lane >> 2) + (r >= 2 ? 8 : 0);
       const int n = n0 + 8 * j + 2 * (lane & 3) + (r & 1);
-      if (t < T && n < N) {
-        float y = d[4 * j + r] * (ts[t] * scales[n]);
-        if (bias) y += __half2float(bias[n]);
-        if (residual) y += __half2float(residual[(size_t)t * N + n]);
-        out[(size_t)t * N + n] = __float2half_rn(y);
-      }
+      nqfp8::store_scaled(out, ts, scales, bias, residual, t, n, T, N, d[4 * j + r]);
     }
 }
 // [/gemm-fp8-wgmma]

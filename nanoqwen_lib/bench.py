@@ -58,18 +58,15 @@ def _stats(ms: list[float]) -> dict:
 def timed_request(engine, prompt: list[int], gen_tokens: int) -> dict:
     """One request: TTFT and the per-step ITLs, all from CUDA events on the engine's stream."""
     import cupy as cp
+    from .timing import events_between, intervals_ms
     s = engine.stream
-    start, first = cp.cuda.Event(), cp.cuda.Event()
+    start = cp.cuda.Event()
     start.record(s)
     engine.prefill_enqueue(prompt)
-    first.record(s)
-    steps = [cp.cuda.Event() for _ in range(gen_tokens)]
-    for ev in steps:                       # no host sync in this loop: graphs back to back
-        engine.launch_step()
-        ev.record(s)
-    s.synchronize()
-    ttft = cp.cuda.get_elapsed_time(start, first)
-    itl = [cp.cuda.get_elapsed_time(a, b) for a, b in zip([first] + steps[:-1], steps)]
+    steps = events_between(engine.launch_step, gen_tokens, s)   # the first marks the first token
+    s.synchronize()                        # no host sync before here: graphs back to back
+    ttft = cp.cuda.get_elapsed_time(start, steps[0])
+    itl = intervals_ms(steps)
     ids = engine.arena["s.generated"][len(prompt) - 1:len(prompt) - 1 + gen_tokens + 1].get().tolist()
     return {"ttft_ms": ttft, "itl_ms": itl, "tokens": ids}
 

@@ -6,7 +6,7 @@ A region is a named part of the step (GpuBackend.step_launches: "embed", "norms"
 
     region time   every launch of the region in one token (28 of each per-layer kernel, in
                   step order, so each reads another layer's weights, as the step does),
-                  captured as one CUDA graph and replayed; the median over the replays.
+                  captured as one CUDA graph and replayed (timing.time_cuda); the median.
     step ITL      whole steps at the same position, events between them: replayed from the
                   engine's graphs, and enqueued eagerly (the host launches every kernel).
     kernel_gap    step ITL - sum of the region times: the time the GPU spends waiting between
@@ -22,27 +22,22 @@ from __future__ import annotations
 
 import numpy as np
 
-REGIONS = ("embed", "norms", "qkv_gemv", "rope_append_kv", "paged_attention", "o_proj",
-           "gate_up_gemv", "swiglu_down", "lm_head+argmax", "step bookkeeping")
+from .timing import events_between, intervals_ms
+
 
 
 def step_times(engine, steps: int, graphs: bool) -> list[float]:
     """ms per decode step for `steps` steps from the engine's position, CUDA events between
     steps, no host sync in the loop (eager: the host's launches pace the GPU)."""
-    import cupy as cp
-    s, saved = engine.stream, engine.use_graphs
+    saved = engine.use_graphs
     engine.use_graphs = graphs
     try:
-        events = [cp.cuda.Event() for _ in range(steps + 1)]
-        events[0].record(s)
-        for ev in events[1:]:
-            engine.launch_step()
-            ev.record(s)
-        s.synchronize()
+        events = events_between(engine.launch_step, steps, engine.stream)
+        engine.stream.synchronize()
     finally:
         engine.use_graphs = saved
     engine.token_at(engine.position - 1)                 # raises if the device flagged an error
-    return [cp.cuda.get_elapsed_time(a, b) for a, b in zip(events, events[1:])]
+    return intervals_ms(events)
 
 
 def region_times(engine, launches=None, iters: int = 20, warmup: int = 3,
@@ -50,32 +45,21 @@ def region_times(engine, launches=None, iters: int = 20, warmup: int = 3,
     """region -> median ms of all its launches, captured as one graph per region and replayed.
     launches: (region, launch) pairs, default the decode step's (mid-page variant); the
     arena buffers in `restore` are saved first and put back after each region."""
-    import cupy as cp
+    from .timing import time_cuda
     a, s = engine.arena, engine.stream
     launches = engine.step_launches(new_page=False) if launches is None else launches
     saved = {name: a[name].copy() for name in restore}
     out = {}
     for region in dict.fromkeys(name for name, _ in launches):
         mine = [launch for name, launch in launches if name == region]
-        if not mine:
-            continue
-        with s:
-            s.begin_capture()
+
+        def run(mine=mine):
             for launch in mine:
                 launch()
-            graph = s.end_capture()
-        graph.upload(s)
-        for _ in range(warmup):
-            graph.launch(s)
-        pairs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
-        for start, end in pairs:
-            start.record(s)
-            graph.launch(s)
-            end.record(s)
-        s.synchronize()
-        out[region] = float(np.median([cp.cuda.get_elapsed_time(b, e) for b, e in pairs]))
-        with s:                                           # undo what the replays moved
-            for name, copy in saved.items():
+
+        with s:                              # warm-up calls on the engine's stream, then graph replays
+            out[region] = time_cuda(run, warmup=warmup, iters=iters, graph=True)["median"]
+            for name, copy in saved.items():  # undo what the calls moved
                 a[name][...] = copy
     s.synchronize()
     return out

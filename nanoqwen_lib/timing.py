@@ -73,6 +73,24 @@ def time_cuda(fn, warmup: int = 10, iters: int = 30, inner: int = 1, graph: bool
             "p90": float(np.percentile(ms, 90)), "iters": iters, "inner": inner, "graph": graph}
 
 
+def events_between(launch, n: int, stream) -> list:
+    """An event on `stream`, then `n` calls of launch() each followed by an event: n + 1
+    events, no host sync (the caller synchronizes and reads the n intervals)."""
+    import cupy as cp
+    events = [cp.cuda.Event() for _ in range(n + 1)]
+    events[0].record(stream)
+    for ev in events[1:]:
+        launch()
+        ev.record(stream)
+    return events
+
+
+def intervals_ms(events) -> list[float]:
+    """ms between consecutive events (recorded and completed)."""
+    import cupy as cp
+    return [cp.cuda.get_elapsed_time(a, b) for a, b in zip(events, events[1:])]
+
+
 @functools.lru_cache(maxsize=None)
 def _read_kernel():
     import cupy as cp

@@ -16,3 +16,84 @@ def rand_int4(rng, n, k):
     words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
     scales = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
     return words, scales
+
+
+def check_decode_layer(eng, nq_file, layer: int, token: int) -> dict:
+    """One decode step of the engine (after a prefill) run up to `layer`, then `layer` alone
+    with every activation buffer it writes poisoned, against reference.decoder_layer_decode
+    given the same x and the same cached K/V (read back from the pages). Checks x and this
+    token's K and V element by element (a few fp16 steps + sum order) and by relative error;
+    returns part -> relative error."""
+    import cupy as cp
+    from nanoqwen_lib import reference as ref
+    with eng.stream:
+        eng.write_token(token)
+        eng.begin_step(new_page=eng.position % 16 == 0)
+        eng.embed_step()
+        for l in range(layer):
+            eng.layer_step(l)
+    eng.stream.synchronize()
+    x_in = eng.arena["a.x"].copy()
+    k_past, v_past = eng.cached_kv(layer, eng.position)
+    for name in ("a.y", "a.qkv", "a.q", "a.attn", "a.gate_up", "a.act"):   # a.act: the FP8 engine's
+        if name in eng.arena.plan.slots:
+            eng.arena[name].fill(cp.nan)
+    cp.cuda.Device().synchronize()                              # default-stream writes done
+    with eng.stream:
+        eng.layer_step(layer)
+    eng.stream.synchronize()
+    got = eng.arena["a.x"].astype(cp.float32)
+    k_new, v_new = [t[-1] for t in eng.cached_kv(layer, eng.position + 1)]
+    w = ref.load_layer_weights(nq_file.model_tensors(), layer, xp=cp)
+    want, k_want, v_want = ref.decoder_layer_decode(
+        x_in.astype(cp.float32), w, k_past.astype(cp.float32), v_past.astype(cp.float32), nq_file.dims)
+    rels = {}
+    for name, a, b in (("x", got, want), ("k", k_new.astype(cp.float32), k_want),
+                       ("v", v_new.astype(cp.float32), v_want)):
+        assert bool(cp.isfinite(a).all()), name
+        err = cp.abs(a - b)
+        bad = int((err > 2e-2 + 2e-2 * cp.abs(b)).sum())
+        assert bad == 0, f"{name}: {bad} of {a.size} elements off, max err {float(err.max()):.3g}"
+        rels[name] = float(cp.linalg.norm(a - b) / cp.linalg.norm(b))
+        assert rels[name] < 2e-3, f"{name}: relative error {rels[name]:.2e}"
+    return rels
+
+
+def check_prefill(nq_file, refm, n, seed, layers, max_tokens):
+    """The tensor-core prefill of the engine for the file's encoding, on an n-token prompt
+    (pages shuffled, the pool and the prefill buffers poisoned first), against
+    ReferenceModel.prefill on CuPy: K and V of `layers` in the pages, the last position's
+    logits, and the first generated token."""
+    import cupy as cp
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.engine import gpu_backend
+    from nanoqwen_lib.reference import argmax_and_gap
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 151643, n).tolist()
+    eng = gpu_backend(nq_file, max_tokens=max_tokens, graphs=False)   # INT4 or FP8, by the file
+    eng.kv.fill(cp.nan)
+    for name in ("p.x", "p.y", "p.qkv", "p.q", "p.attn", "p.gate_up", "p.act", "p.ts", "a.logits"):
+        if name in eng.arena.plan.slots:                            # p.ts: the FP8 engine's
+            eng.arena[name].fill(cp.nan)
+    cp.cuda.Device().synchronize()
+    first = eng.prefill(prompt, physical_pages=rng.permutation(eng.pages))
+    assert eng.position == n and int(eng.scalar["position"].get()[0]) == n
+    logits, cache = refm.prefill(prompt)
+    for layer in layers:
+        got_k, got_v = eng.cached_kv(layer, n)
+        want_k, want_v = cache.past(layer)
+        for name, a, b in (("k", got_k, want_k), ("v", got_v, want_v)):
+            a = a.astype(cp.float32)
+            assert bool(cp.isfinite(a).all()), f"layer {layer} {name}: unwritten (NaN) slots"
+            rel = float(cp.linalg.norm(a - b) / cp.linalg.norm(b))
+            print(f"n={n} layer {layer} {name}: relative error {rel:.2e}")
+            assert rel < 1e-2, f"layer {layer} {name}: relative error {rel:.2e}"
+    got = eng.arena["a.logits"]
+    want = logits[-1]
+    assert bool(cp.isfinite(got).all())
+    rel = float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
+    best, gap = argmax_and_gap(want)
+    print(f"n={n} logits relative error {rel:.2e}; first token {first} (reference {best}, top-2 gap {gap:.3f})")
+    assert rel < 2e-2, f"logits relative error {rel:.2e}"
+    assert first == best or gap < load().validation.near_tie_logit_gap, (first, best, gap)
+    assert int(eng.arena["s.generated"][n - 1].get()) == first

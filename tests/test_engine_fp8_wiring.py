@@ -6,33 +6,13 @@ numbers are tests/test_gpu_fp8.py's and tests/test_gpu_engine_fp8.py's)."""
 from __future__ import annotations
 
 import sys
-import types
 
-import numpy as np
 import pytest
 
-from nanoqwen_lib import ops_attention, ops_fp8, ops_gemv, ops_prefill
-from nanoqwen_lib.config import load
-from nanoqwen_lib.engine import plan_arena
+from nanoqwen_lib import ops_fp8, ops_prefill
 from nanoqwen_lib.engine_fp8 import GpuBackendFp8
 
-
-class HostDeviceArray(np.ndarray):
-    """A NumPy array standing in for a cupy.ndarray: `.data.ptr` is its real address."""
-
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
-
-
-def stand_in_arena(plan):
-    raw = np.zeros(plan.nbytes + 256, np.uint8)
-    base = (-raw.__array_interface__["data"][0]) % 128            # the arena starts 128-byte aligned
-    views = {}
-    for name, (off, dtype, shape) in plan.slots.items():
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        views[name] = raw[base + off: base + off + n].view(dtype).reshape(shape).view(HostDeviceArray)
-    return views
+from .stand_in import stand_in_cupy, stand_in_engine
 
 
 @pytest.fixture
@@ -44,21 +24,14 @@ def recorded(monkeypatch):
             calls.append((name, tuple(grid), tuple(block)))
         return launch
 
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=HostDeviceArray))
+    monkeypatch.setitem(sys.modules, "cupy", stand_in_cupy)
     monkeypatch.setattr(ops_fp8, "_kernel", kernel)
     monkeypatch.setattr(ops_prefill, "_gemm_kernel", lambda name, *a: kernel(name))
     return calls
 
 
 def fp8_engine(dims_name: str, max_tokens: int) -> GpuBackendFp8:
-    eng = object.__new__(GpuBackendFp8)         # no GPU: only what the launch lists read
-    eng.dims = load().model(dims_name)
-    eng.arena = stand_in_arena(plan_arena(eng.dims, max_tokens, "fp8"))
-    eng.chunk = eng.arena["p.x"].shape[0]
-    eng.gemv, eng.attn, eng.pf = ops_gemv, ops_attention, ops_prefill
-    eng.kv = eng.arena["kv"]
-    eng.scalar = {}
-    return eng
+    return stand_in_engine(GpuBackendFp8, dims_name, max_tokens)
 
 
 SWAPPED_DECODE = {"qkv_gemv": ["nq_gemv_fp8"], "o_proj": ["nq_gemv_fp8"], "gate_up_gemv": ["nq_gemv_fp8"],

@@ -12,6 +12,8 @@ import pytest
 
 from nanoqwen_lib.cuda_build import have_gpu
 
+from .gpu_cases import check_decode_layer, check_prefill
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs a CUDA GPU")]
 
 
@@ -34,45 +36,10 @@ def _prompt(rng, n, vocab=151643):
 
 @pytest.mark.parametrize("layer", [0, 27])
 def test_decoder_layer_matches_reference_7b(file_7b, engine_7b, layer):
-    import cupy as cp
-    from nanoqwen_lib import reference as ref
     rng = np.random.default_rng(100 + layer)
-    eng, d = engine_7b, file_7b.dims
-    prompt = _prompt(rng, 37)                                   # 2 full pages + a tail of 5
-    perm = rng.permutation(eng.pages)
-    eng.prefill(prompt, physical_pages=perm)
-    # The next token, run up to the layer under test, then the layer alone.
-    with eng.stream:
-        eng.write_token(int(rng.integers(0, 151643)))
-        eng.begin_step(new_page=eng.position % 16 == 0)
-        eng.embed_step()
-        for l in range(layer):
-            eng.layer_step(l)
-    eng.stream.synchronize()
-    x_in = eng.arena["a.x"].copy()
-    k_past, v_past = eng.cached_kv(layer, eng.position)
-    eng.arena["a.x"][...] = x_in
-    eng.arena["a.qkv"].fill(cp.nan)                             # poison the layer's buffers
-    eng.arena["a.attn"].fill(cp.nan)
-    eng.arena["a.gate_up"].fill(cp.nan)
-    cp.cuda.Device().synchronize()                              # default-stream writes done
-    with eng.stream:
-        eng.layer_step(layer)
-    eng.stream.synchronize()
-    got = eng.arena["a.x"].astype(cp.float32)
-    k_new, v_new = [t[-1] for t in eng.cached_kv(layer, eng.position + 1)]
-    w = ref.load_layer_weights(file_7b.model_tensors(), layer, xp=cp)
-    want, k_want, v_want = ref.decoder_layer_decode(
-        x_in.astype(cp.float32), w, k_past.astype(cp.float32), v_past.astype(cp.float32), d)
-    for name, a, b in (("x", got, want), ("k", k_new.astype(cp.float32), k_want),
-                       ("v", v_new.astype(cp.float32), v_want)):
-        assert bool(cp.isfinite(a).all()), name
-        err = cp.abs(a - b)
-        tol = 2e-2 + 2e-2 * cp.abs(b)                           # a few fp16 ulps + sum order
-        bad = int((err > tol).sum())
-        assert bad == 0, f"{name}: {bad} of {a.size} elements off, max err {float(err.max()):.3g}"
-        rel = float(cp.linalg.norm(a - b) / cp.linalg.norm(b))
-        assert rel < 2e-3, f"{name}: relative error {rel:.2e}"
+    eng = engine_7b
+    eng.prefill(_prompt(rng, 37), physical_pages=rng.permutation(eng.pages))   # 2 full pages + 5
+    print(f"layer {layer}:", check_decode_layer(eng, file_7b, layer, int(rng.integers(0, 151643))))
 
 
 def _agreement(nq_file, prompts, new_tokens, max_tokens=4096):
@@ -133,49 +100,11 @@ def ref_7b(file_7b):
     return ReferenceModel(file_7b.dims, file_7b.model_tensors(), xp=cp)
 
 
-def _prefill_against_reference(nq_file, refm, n, seed, layers, max_tokens):
-    """The engine's tensor-core prefill of an n-token prompt (pages shuffled, the pool and the
-    prefill buffers poisoned first) against ReferenceModel.prefill on CuPy: K and V of
-    `layers` in the pages, the last position's logits, and the first generated token."""
-    import cupy as cp
-    from nanoqwen_lib.config import load
-    from nanoqwen_lib.engine import GpuBackend
-    from nanoqwen_lib.reference import argmax_and_gap
-    rng = np.random.default_rng(seed)
-    prompt = _prompt(rng, n)
-    eng = GpuBackend(nq_file, max_tokens=max_tokens, graphs=False)
-    eng.kv.fill(cp.nan)
-    for name in ("p.x", "p.y", "p.qkv", "p.q", "p.attn", "p.gate_up", "p.act", "a.logits"):
-        eng.arena[name].fill(cp.nan)
-    cp.cuda.Device().synchronize()
-    first = eng.prefill(prompt, physical_pages=rng.permutation(eng.pages))
-    assert eng.position == n and int(eng.scalar["position"].get()[0]) == n
-    logits, cache = refm.prefill(prompt)
-    for layer in layers:
-        got_k, got_v = eng.cached_kv(layer, n)
-        want_k, want_v = cache.past(layer)
-        for name, a, b in (("k", got_k, want_k), ("v", got_v, want_v)):
-            a = a.astype(cp.float32)
-            assert bool(cp.isfinite(a).all()), f"layer {layer} {name}: unwritten (NaN) slots"
-            rel = float(cp.linalg.norm(a - b) / cp.linalg.norm(b))
-            print(f"n={n} layer {layer} {name}: relative error {rel:.2e}")
-            assert rel < 1e-2, f"layer {layer} {name}: relative error {rel:.2e}"
-    got = eng.arena["a.logits"]
-    want = logits[-1]
-    assert bool(cp.isfinite(got).all())
-    rel = float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
-    best, gap = argmax_and_gap(want)
-    print(f"n={n} logits relative error {rel:.2e}; first token {first} (reference {best}, top-2 gap {gap:.3f})")
-    assert rel < 2e-2, f"logits relative error {rel:.2e}"
-    assert first == best or gap < load().validation.near_tie_logit_gap, (first, best, gap)
-    assert int(eng.arena["s.generated"][n - 1].get()) == first
-
-
 @pytest.mark.parametrize("n", [1, 17, 512, 600])
 def test_prefill_matches_reference_7b(file_7b, ref_7b, n):
     """One chunk (1, 17, 512 tokens) and two chunks (600 = 512 + 88: the second attends to
     the first through the pages)."""
-    _prefill_against_reference(file_7b, ref_7b, n, seed=n, layers=(0, 27), max_tokens=1024)
+    check_prefill(file_7b, ref_7b, n, seed=n, layers=(0, 27), max_tokens=1024)
 
 
 def test_prefill_matches_reference_tiny_three_chunks():
@@ -185,7 +114,7 @@ def test_prefill_matches_reference_tiny_three_chunks():
     from nanoqwen_lib.reference import ReferenceModel
     f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
     refm = ReferenceModel(f.dims, f.model_tensors(), xp=cp)
-    _prefill_against_reference(f, refm, 1100, seed=11, layers=(0, 1), max_tokens=1200)
+    check_prefill(f, refm, 1100, seed=11, layers=(0, 1), max_tokens=1200)
 
 
 def test_tensor_core_and_token_by_token_prefill_agree_7b(file_7b):

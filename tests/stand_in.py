@@ -1,0 +1,45 @@
+"""A GPU engine without a GPU, for CPU tests of its launch lists: the arena's slots are
+NumPy views of one 128-byte-aligned host buffer that pass the launchers' device-buffer
+checks (with `cupy` stood in by `stand_in_cupy`). Nothing is uploaded or launched."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from nanoqwen_lib import ops_attention, ops_gemv, ops_prefill
+from nanoqwen_lib.config import load
+from nanoqwen_lib.engine import plan_arena
+
+
+class HostDeviceArray(np.ndarray):
+    """A NumPy array standing in for a cupy.ndarray: `.data.ptr` is its real address."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+stand_in_cupy = types.SimpleNamespace(ndarray=HostDeviceArray)
+
+
+def stand_in_arena(plan) -> dict:
+    raw = np.zeros(plan.nbytes + 256, np.uint8)
+    base = (-raw.__array_interface__["data"][0]) % 128            # the arena starts 128-byte aligned
+    views = {}
+    for name, (off, dtype, shape) in plan.slots.items():
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        views[name] = raw[base + off: base + off + n].view(dtype).reshape(shape).view(HostDeviceArray)
+    return views
+
+
+def stand_in_engine(cls, dims_name: str, max_tokens: int):
+    """An instance of GpuBackend (or a subclass) with only what its launch lists read."""
+    eng = object.__new__(cls)
+    eng.dims = load().model(dims_name)
+    eng.arena = stand_in_arena(plan_arena(eng.dims, max_tokens, cls.encoding))
+    eng.chunk = eng.arena["p.x"].shape[0]
+    eng.gemv, eng.attn, eng.pf = ops_gemv, ops_attention, ops_prefill
+    eng.kv = eng.arena["kv"]
+    eng.scalar = {}
+    return eng
