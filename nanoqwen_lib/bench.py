@@ -152,4 +152,8 @@ def format_report(r: dict) -> str:
 
 
 def write_json(r: dict, path) -> None:
-    Path(path).write_text(json.dumps(r, indent=2, default=str))
+    """Whole or not at all: a temporary file beside it, then a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(r, indent=2, default=str))
+    tmp.replace(path)

@@ -180,7 +180,12 @@ def cmd_validate(a) -> int:
         raise LimitError(a.file, "GPU", "a CUDA GPU (the ladder checks the GPU kernels)", "none")
     r = run_ladder(f, a.prompts, a.gen_tokens, stages=stages,
                    progress=lambda m: print(f"[validate] {m}", file=sys.stderr, flush=True))
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "first_divergence"} for k, v in r.items()}))
+    if a.json:
+        from .bench import write_json
+        write_json(r, a.json)
+    per_step = ("first_divergence", "mismatches", "logit_err", "gap_err")   # in --json only
+    brief = lambda d: {k: brief(v) if isinstance(v, dict) else v for k, v in d.items() if k not in per_step}  # noqa: E731
+    print(json.dumps(brief(r)))
     return 0 if all(v["passed"] for v in r.values()) else 1
 
 
@@ -243,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompts", type=_positive, default=None, help="graph stage prompts (default: nanoqwen.yaml, 100)")
     s.add_argument("--gen-tokens", type=_positive, default=None, help="graph stage tokens per prompt (default 128)")
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
+    s.add_argument("--json", type=Path, default=None,
+                   help="also write everything, per-step logit errors included, to this file")
     s.set_defaults(fn=cmd_validate)
 
     s = sub.add_parser("demo", help="synthesize the tiny model, pack it and generate with it")

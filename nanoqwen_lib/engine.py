@@ -379,10 +379,20 @@ class GpuBackend:
         return self.token_at(self.position - 1)
 
     def force(self, token: int) -> int:
-        """One step on `token` given by the host (teacher forcing: validate.forced_agreement),
-        enqueued eagerly, whatever the argmax before it was."""
-        self.launch_step(int(token))
+        """One step on `token` given by the host, whatever the argmax before it was (teacher
+        forcing: validate.teacher_forced). With graphs, the token is written into the device
+        scalar (on the stream, before the replay reads it) and the step is the graph replay."""
+        if self.graphs is not None and self.use_graphs and self.position < self.max_tokens:
+            self.write_token(int(token))
+            self.launch_step(None)
+        else:
+            self.launch_step(int(token))
         return self.token_at(self.position - 1)
+
+    def logits(self):
+        """The last step's logits, float32 [vocab] on the device (after token_at's sync)."""
+        self.stream.synchronize()
+        return self.arena["a.logits"]
 
     def cached_kv(self, layer: int, n: int):
         """K, V of positions [0, n) of `layer` gathered from the pages: [n, kv_heads, d] each."""

@@ -299,26 +299,34 @@ class ReferenceModel:
         """One token at position cache.length -> logits float32 [vocab]."""
         return self.forward([int(token_id)], cache)[0]
 
-    def greedy(self, prompt_ids, max_new_tokens):
-        """-> (new token ids, top2_gaps): gap = best logit - second-best logit at each step."""
+    def greedy_steps(self, prompt_ids, max_new_tokens):
+        """Yields the logits (float32 [vocab]) of each of max_new_tokens greedy steps; the
+        step after each decodes its argmax."""
         logits, cache = self.prefill(prompt_ids)
         logits = logits[-1]
-        ids, gaps = [], []
         for step in range(max_new_tokens):
-            best, gap = argmax_and_gap(logits)
-            ids.append(best)
-            gaps.append(gap)
+            yield logits
             if step + 1 < max_new_tokens:
-                logits = self.decode(best, cache)
-        return ids, gaps
+                logits = self.decode(argmax_and_gap(logits)[0], cache)
+
+    def greedy(self, prompt_ids, max_new_tokens):
+        """-> (new token ids, top2_gaps): gap = best logit - second-best logit at each step."""
+        steps = [argmax_and_gap(logits) for logits in self.greedy_steps(prompt_ids, max_new_tokens)]
+        return [b for b, _ in steps], [g for _, g in steps]
 
 
 def argmax_and_gap(logits):
     """logits [vocab] -> (argmax with ties to the lowest id, best - second best)."""
+    best, second = top2(logits)
+    return best, float(logits[best] - logits[second])
+
+
+def top2(logits):
+    """logits [vocab] -> (argmax, runner-up), ties to the lowest id."""
     best = int(logits.argmax())
     rest = logits.copy()
     rest[best] = -np.inf
-    return best, float(logits[best] - rest.max())
+    return best, int(rest.argmax())
 
 
 def check_tensors(dims, tensors, source=None):

@@ -22,6 +22,7 @@ import numpy as np
 
 from .config import load
 from .generate import generate_ids
+from .reference import top2
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT_TESTS = ("tests/test_gpu_gemv.py", "tests/test_gpu_attention.py", "tests/test_gpu_prefill.py",
@@ -87,11 +88,15 @@ def greedy_agreement(candidate, reference, prompts, new_tokens: int, refs=None) 
 @dataclass
 class ForcedAgreement:
     """Teacher-forced: each step of the candidate gets the reference's previous token, so
-    each step's argmax is compared on the same context, on its own."""
+    each step's argmax is compared on the same context, on its own. Where the candidate
+    exposes its logits, each step's logit error against the reference is kept too."""
     tokens: int = 0
     identical: int = 0
     near_tie_mismatches: int = 0        # mismatches where the reference's top-2 gap was a near-tie
     mismatches: list = field(default_factory=list)   # (prompt, step, ref gap), first 50
+    logit_err: list = field(default_factory=list)    # per step: max |candidate - reference| over the vocab
+    gap_err: list = field(default_factory=list)      # per step: candidate's top-2 gap (on the reference's
+                                                     # top-2 ids) minus the reference's
 
     @property
     def match(self) -> float:
@@ -99,30 +104,61 @@ class ForcedAgreement:
         compared = self.tokens - self.near_tie_mismatches
         return self.identical / compared if compared else 1.0
 
+    def logit_error_summary(self) -> dict:
+        """Percentiles of the per-step errors (empty when the candidate showed no logits)."""
+        if not self.logit_err:
+            return {}
+        q = (50, 99, 99.9, 100)
+        return {"steps": len(self.logit_err),
+                "max_abs_logit_err": dict(zip(map(str, q), np.percentile(self.logit_err, q).round(4).tolist())),
+                "abs_gap_err": dict(zip(map(str, q), np.percentile(np.abs(self.gap_err), q).round(4).tolist()))}
+
     def summary(self) -> str:
-        return (f"teacher-forced: {self.identical}/{self.tokens} steps identical, {self.near_tie_mismatches} "
-                f"mismatches at near-ties; match {100 * self.match:.2f}%")
+        s = (f"teacher-forced: {self.identical}/{self.tokens} steps identical, {self.near_tie_mismatches} "
+             f"mismatches at near-ties; match {100 * self.match:.2f}%")
+        e = self.logit_error_summary()
+        if e:
+            s += (f"; logit error max|d| median {e['max_abs_logit_err']['50']}, p99.9 "
+                  f"{e['max_abs_logit_err']['99.9']}; top-2 gap error p99.9 {e['abs_gap_err']['99.9']}, "
+                  f"max {e['abs_gap_err']['100']}")
+        return s
 
 
-def forced_agreement(candidate, reference, prompts, new_tokens: int, refs=None) -> ForcedAgreement:
-    """candidate: a backend with prefill(ids) -> token and force(token) -> token (one step
-    on the given input token; GpuBackend.force); reference: a ReferenceModel."""
+def teacher_forced(candidate, reference, prompts, new_tokens: int):
+    """The reference's greedy decode and the candidate, in lockstep: after each step the
+    candidate is fed the reference's token (`force`; GpuBackend.force replays the graph).
+    candidate: prefill(ids) -> token, force(token) -> token, optionally logits() -> the
+    last step's logits; reference: greedy_steps(ids, n) -> logits per step (ReferenceModel).
+    Returns (ForcedAgreement, refs): refs[k] = the reference's (ids, top-2 gaps) on prompt
+    k, the same as reference.greedy, for greedy_agreement."""
     near = load().validation.near_tie_logit_gap
-    a = ForcedAgreement()
+    a, refs = ForcedAgreement(), []
+    show = getattr(candidate, "logits", None)
     for k, p in enumerate(prompts):
-        want, gaps = refs[k] if refs is not None else reference.greedy(p, new_tokens)
-        got = candidate.prefill(list(p))
-        for i in range(new_tokens):
-            if i:
-                got = candidate.force(want[i - 1])
+        ids, gaps = [], []
+        for i, r in enumerate(reference.greedy_steps(list(p), new_tokens)):
+            got = candidate.prefill(list(p)) if i == 0 else candidate.force(ids[-1])
+            best, second = top2(r)
+            gap = float(r[best] - r[second])
+            ids.append(best)
+            gaps.append(gap)
             a.tokens += 1
-            if got == want[i]:
+            if got == best:
                 a.identical += 1
             else:
-                a.near_tie_mismatches += gaps[i] < near
+                a.near_tie_mismatches += gap < near
                 if len(a.mismatches) < 50:
-                    a.mismatches.append((k, i, float(gaps[i])))
-    return a
+                    a.mismatches.append((k, i, gap))
+            if show is not None:
+                e = show()
+                a.logit_err.append(float(abs(e - r).max()))
+                a.gap_err.append(float(e[best] - e[second]) - gap)
+        refs.append((ids, gaps))
+    return a, refs
+
+
+def forced_agreement(candidate, reference, prompts, new_tokens: int) -> ForcedAgreement:
+    return teacher_forced(candidate, reference, prompts, new_tokens)[0]
 
 
 def run_pytest(args, progress=print) -> bool:
@@ -152,13 +188,12 @@ def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = Non
             n = new_tokens or v.graph_gen_tokens
             engine = gpu_backend(nq_file, max_tokens=max(map(len, ps)) + n + 16)
             reference = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
-            refs = [reference.greedy(p, n) for p in ps]
+            f, refs = teacher_forced(engine, reference, ps, n)
+            progress(f.summary())
             a = greedy_agreement(engine, reference, ps, n, refs)
             progress(a.summary())
-            f = forced_agreement(engine, reference, ps, n, refs)
-            progress(f.summary())
             out[stage] = {"passed": a.passes(), **asdict(a), "match": a.match,
-                          "forced": {**asdict(f), "match": f.match}}
+                          "forced": {**asdict(f), "match": f.match, "logit_error": f.logit_error_summary()}}
         if not out[stage]["passed"]:
             progress(f"stage {stage} failed: the ladder stops here")
             break

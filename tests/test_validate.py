@@ -3,16 +3,27 @@ diverge where the reference was sure."""
 import numpy as np
 
 from nanoqwen_lib.config import load
-from nanoqwen_lib.validate import forced_agreement, greedy_agreement, validation_prompts
+from nanoqwen_lib.validate import forced_agreement, greedy_agreement, teacher_forced, validation_prompts
 
 V = load().validation
 
 
 class Scripted:
-    """A reference whose greedy stream and top-2 gaps are given."""
+    """A reference whose greedy stream and top-2 gaps are given: step i's logits are 0
+    except ids[i] (gaps[i]) and a runner-up id 500 + i (0)."""
 
-    def __init__(self, ids, gaps):
-        self.ids, self.gaps = ids, gaps
+    def __init__(self, ids, gaps, vocab=1000):
+        self.ids, self.gaps, self.vocab = ids, gaps, vocab
+
+    def step_logits(self, i):
+        r = np.full(self.vocab, -1.0, np.float32)
+        r[500 + i] = 0.0
+        r[self.ids[i]] = self.gaps[i]
+        return r
+
+    def greedy_steps(self, prompt, n):
+        for i in range(n):
+            yield self.step_logits(i)
 
     def greedy(self, prompt, n):
         return self.ids[:n], self.gaps[:n]
@@ -91,6 +102,28 @@ def test_forced_mismatch_costs_one_token_and_feeds_the_reference():
     a = forced_agreement(cand, ref, [[5]], 10)
     assert cand.fed == list(range(9))              # always the reference's previous token
     assert (a.tokens, a.identical, a.near_tie_mismatches) == (10, 8, 1)
-    assert np.isclose(a.match, 8 / 9) and a.mismatches == [(0, 3, 1.0), (0, 6, gaps[6])]
+    assert np.isclose(a.match, 8 / 9) and a.mismatches == [(0, 3, 1.0), (0, 6, np.float32(gaps[6]))]
     b = greedy_agreement(Replay(got), ref, [[5]], 10)   # free-running: the stream is lost at 3
     assert b.identical == 3
+
+
+def test_teacher_forced_returns_the_references_stream_and_logit_errors():
+    """The lockstep pass hands greedy_agreement the reference's (ids, gaps), and measures
+    each step's logit error where the candidate shows its logits."""
+    gaps = [0.5 + i for i in range(6)]
+    ref = Scripted(list(range(6)), gaps)
+    cand = Forced(list(range(6)))
+    step = iter(range(6))
+    offsets = np.zeros(1000, np.float32)
+    offsets[1] = 0.25                      # step 1: the best logit is 0.25 too high
+
+    def logits():
+        i = next(step)
+        return ref.step_logits(i) + (offsets if i == 1 else 0)
+    cand.logits = logits
+    a, refs = teacher_forced(cand, ref, [[5]], 6)
+    assert refs == [(list(range(6)), gaps)] and a.identical == 6
+    assert a.logit_err == [0.0, 0.25, 0.0, 0.0, 0.0, 0.0]
+    assert np.allclose(a.gap_err, [0, 0.25, 0, 0, 0, 0])
+    e = a.logit_error_summary()
+    assert e["steps"] == 6 and e["max_abs_logit_err"]["100"] == 0.25

@@ -46,6 +46,13 @@ for what in "$@"; do
         echo "executed $nb: $r in $(( $(date +%s) - t0 )) s"
       done
       tar czf $OUT/gpu-notebooks.tgz book/*.ipynb ;;
+    validate-7b)
+      # The graph stage on the 7B: VALIDATE_PROMPTS prompts (default all 100); the full JSON comes back.
+      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b'))")
+      t0=$(date +%s)
+      python3 -m nanoqwen_lib validate "$f" --no-verify --stages graph ${VALIDATE_PROMPTS:+--prompts $VALIDATE_PROMPTS} \
+        --json $OUT/validate-7b.json 2>&1 | tee $OUT/validate-7b.log | tail -4
+      echo "validate-7b: $(( $(date +%s) - t0 )) s" ;;
     validate-tiny)
       f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic as p; print(p('tiny'))")
       python3 -m nanoqwen_lib validate "$f" --stages graph 2>&1 | tee $OUT/validate-tiny.log | tail -3 ;;
