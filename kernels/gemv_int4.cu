@@ -4,8 +4,9 @@
 //   nq_quantize_act_int8  x fp16 [K] -> int8 per group of 128 (scale = absmax/127), dp4a byte order
 //   nq_gemv_int4_dp4a     out as nq_gemv_int4 from the int8 activations, __dp4a on INT4->INT8 weights
 //   nq_gemv_int4{,_swiglu,_dp4a}_stream  the same three as persistent stream-K kernels (v3)
-//   compile-time: NQ_GEMV_{WARPS,UNROLL,MTILES,BRANCHLESS,MIN_CTAS} (tiles), NQ_GEMV_STREAM_{WARPS,RING}
-// nq-variants: NQ_GEMV_UNROLL=2; NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=8,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=2; NQ_GEMV_BRANCHLESS=0; NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8
+//   compile-time: NQ_GEMV_{WARPS,UNROLL,MTILES,BRANCHLESS,MIN_CTAS} (tiles), NQ_GEMV_STREAM_{WARPS,RING},
+//   NQ_GEMV_FOLD (prmt/mma unpack without the per-pair subtraction, see [fold])
+// nq-variants: NQ_GEMV_UNROLL=2; NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=8,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=2; NQ_GEMV_BRANCHLESS=0; NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8; NQ_GEMV_FOLD=1; NQ_GEMV_FOLD=1,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_WARPS=8,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_WARPS=2; NQ_GEMV_FOLD=1,NQ_GEMV_BRANCHLESS=0; NQ_GEMV_FOLD=1,NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8
 //
 // Shapes (runtime): qweight uint32 [N, K/8], scales fp16 [N, K/128], K a multiple of 128,
 // any N >= 1. Tuned for the 7B decode shapes (N 3584..37888, K 3584 / 18944) on an H200.
@@ -40,11 +41,15 @@
 #ifndef NQ_GEMV_MTILES
 #define NQ_GEMV_MTILES 1    // 16-row tensor-core tiles per CTA (they share the x fragments)
 #endif
+#ifndef NQ_GEMV_FOLD
+#define NQ_GEMV_FOLD 0      // 1: the MMA reads offset codes, one correction per group ([fold])
+#endif
 
 static_assert(NQ_GROUP_SIZE == 128, "the lane map covers one group with 4 lanes x 16 bytes");
 static_assert(NQ_GEMV_WARPS >= 1 && NQ_GEMV_WARPS <= 16, "1..16 warps per CTA");
 static_assert(NQ_GEMV_UNROLL >= 1 && NQ_GEMV_UNROLL <= 8, "1..8 groups in flight per warp");
 static_assert(NQ_GEMV_MTILES == 1 || NQ_GEMV_MTILES == 2, "one or two m-tiles per CTA");
+static_assert(NQ_GEMV_FOLD == 0 || NQ_GEMV_FOLD == 1, "NQ_GEMV_FOLD is 0 or 1");
 
 typedef signed char int8_t;
 
@@ -59,6 +64,7 @@ constexpr int kGroupWords = NQ_GROUP_SIZE / 8;                 // 16 uint32 per 
 // FP16 activations in shared memory: each lane's 32-half run is followed by 8 halves of
 // padding, so the four lanes t = 0..3 of a 16-byte read start at banks 0, 20, 8, 28 (no
 // conflicts); lanes with the same t read the same address (broadcast).
+// NQ_GEMV_FOLD=1 keeps the group's correction in that padding (see [fold-stage]).
 constexpr int kSmemGroupHalves = NQ_GROUP_SIZE + NQ_GROUP_SIZE / 4;   // 160
 
 // ---- bit tricks ------------------------------------------------------------------------
@@ -86,6 +92,39 @@ __device__ __forceinline__ void unpack_int4x8_half2(uint32_t w, uint32_t (&p)[4]
   p[3] = hsub2((w_hi & 0x00F000F0u) ^ kMagicHi, kMagicHi);   // (w6, w7)
 }
 // [/unpack]
+
+// [fold]
+// NQ_GEMV_FOLD=1: the same unpack without the HSUB2s. The MMA reads 1032 + s (lo pairs) and
+// 72 + s (hi pairs), both exact in fp16, and since it is linear, per row and group
+//   sum_k (off_k + s_k) x_k = sum_k s_k x_k + 1032 * sum_lo x_k + 72 * sum_hi x_k.
+// Which k are lo: in group() the A registers pa[0], pa[2] (lo pairs) share k-slots with
+// B's b0 = xv[j].x / xv[j].z, pa[1], pa[3] (hi pairs) with b1 = xv[j].y / xv[j].w, so the
+// halves 0,1,4,5 of every 16-byte x chunk are lo slots and 2,3,6,7 hi: k % 4 < 2 is lo.
+// The staging stores fold = 1032 * sum_lo + 72 * sum_hi (fp32, of exactly the fp16 x the
+// MMA reads) per group in the padding behind each lane's run; group() subtracts it from
+// the two row sums before the scale (one FADD per row instead of 16 HSUB2 per row).
+// The magic words come from shared memory too ({fold, kMagicLo, kMagicHi, 0}, one LDS.128
+// per group). A LOP3 takes one 32-bit immediate, so (w & mask) ^ magic needs one of the two
+// constants in a register; given literals, ptxas rematerializes that register before every
+// LOP3 (the IMAD.MOV.U32 / MOV, one per pair, of the unfolded SASS) and, given a value it can
+// trace to a literal (x | 0 with an opaque 0), splits the LOP3 in two. Loaded magic words
+// are neither: the mask stays the immediate, and each pair is a single LOP3.
+// Numerics: the running sums are those of (off + s) x, ~1032 / |s| times larger, and so is
+// their fp32 rounding: per row and group |error| <~ n u (1032 sum_lo |x| + 72 sum_hi |x|),
+// n ~ 8 MMA steps + the staging sums and fold, u = 2^-24 (2^-23 if the tensor core
+// truncates). For random-sign x the sums cancel and the error is far below this bound
+// (modelled: ~2^-20 of sum |w x| per output, against the fp16 rounding of 2^-11 |out|).
+__device__ __forceinline__ void unpack_int4x8_offset(uint32_t w, uint32_t magic_lo, uint32_t magic_hi,
+                                                     uint32_t (&p)[4]) {
+  const uint32_t w_hi = prmt(w, 0u, 0x3311u);
+  p[0] = (w & 0x000F000Fu) ^ magic_lo;      // (w0, w1) + 1032
+  p[1] = (w & 0x00F000F0u) ^ magic_hi;      // (w2, w3) + 72
+  p[2] = (w_hi & 0x000F000Fu) ^ magic_lo;   // (w4, w5) + 1032
+  p[3] = (w_hi & 0x00F000F0u) ^ magic_hi;   // (w6, w7) + 72
+}
+constexpr float kFoldLo = 1032.f, kFoldHi = 72.f;
+constexpr int kFoldOffsetWords = NQ_GROUP_SIZE / 8;   // the padding behind a lane's 32 halves
+// [/fold]
 
 // [mma]
 // D += A.B, m16n8k16, fp16 inputs, fp32 accumulators. A rows are weight rows (g, g+8), the
@@ -171,17 +210,34 @@ struct PrmtMmaPath {
     uint4 xv[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) xv[j] = reinterpret_cast<const uint4*>(xs)[j];
+#if NQ_GEMV_FOLD
+    // {fold, magic lo, magic hi, 0} from the padding behind the lane's run (see [fold]).
+    const uint4 fv = reinterpret_cast<const uint4*>(xs)[kFoldOffsetWords / 4];
+    const float fold = __uint_as_float(fv.x);
+    const uint32_t mlo = fv.y, mhi = fv.z;
+#endif
 #pragma unroll
     for (int m = 0; m < kMTiles; ++m) {
       float c[4] = {0.f, 0.f, 0.f, 0.f};          // sum(code * x) over the group, rows g, g+8
 #pragma unroll
       for (int j = 0; j < 4; ++j) {               // word j: k = 32t + 8j .. +7 of the group
         uint32_t pa[4], pb[4];
+#if NQ_GEMV_FOLD
+        unpack_int4x8_offset(word_of(r.w[m][0], j), mlo, mhi, pa);
+        unpack_int4x8_offset(word_of(r.w[m][1], j), mlo, mhi, pb);
+#else
         unpack_int4x8_half2(word_of(r.w[m][0], j), pa);
         unpack_int4x8_half2(word_of(r.w[m][1], j), pb);
+#endif
         mma_16816(c, pa[0], pb[0], pa[1], pb[1], xv[j].x, xv[j].y);   // k = 8j + 0..3
         mma_16816(c, pa[2], pb[2], pa[3], pb[3], xv[j].z, xv[j].w);   // k = 8j + 4..7
       }
+#if NQ_GEMV_FOLD
+      // A phantom group (branchless, zero words and zero scale) is c ~ fold, finite: the
+      // FMA with scale 0 adds exactly (+-)0.
+      c[0] -= fold;
+      c[2] -= fold;
+#endif
       acc[m][0] = fmaf(c[0], r.s[m][0], acc[m][0]);   // W = code * scale, per group
       acc[m][1] = fmaf(c[2], r.s[m][1], acc[m][1]);
     }
@@ -236,11 +292,50 @@ struct Dp4aPath {
 // [/dp4a-group]
 
 // ---- staging: the CTA's K range of activations into shared memory ----------------------
+#if NQ_GEMV_FOLD
+// [fold-stage]
+// Stores chunk c (8 halves) at c + c/4 and, per group, {fold, kMagicLo, kMagicHi, 0} with
+// fold = 1032 * sum_lo + 72 * sum_hi (see [fold]) in the padding behind each of the four
+// lane runs (bytes 64 + 80t of the group: banks 16, 4, 24, 12, no conflicts). The 16 chunks
+// of a group are 16 consecutive c, i.e. one half-warp of one pass (blockDim and the chunk
+// count are multiples of 16): the half-warp adds its chunk sums by shuffles, in a fixed
+// order (xor butterfly: every lane ends with the same bits), and lanes with c % 4 == 0
+// write the copies. Passes are warp-uniform so that the full-mask shuffles are legal.
+template <class Chunk>
+__device__ __forceinline__ void stage_fold(unsigned char* xs, const Geometry& q, const Chunk& chunk) {
+  uint4* dst = reinterpret_cast<uint4*>(xs);
+  const int n = q.ng * (NQ_GROUP_SIZE / 8);
+  for (int c0 = threadIdx.x & ~31; c0 < n; c0 += blockDim.x) {
+    const int c = c0 + (threadIdx.x & 31);
+    const bool live = c < n;                       // the same for the whole half-warp
+    const uint4 v = live ? chunk(c) : make_uint4(0u, 0u, 0u, 0u);
+    const half2* h = reinterpret_cast<const half2*>(&v);
+    float lo = (__low2float(h[0]) + __high2float(h[0])) + (__low2float(h[2]) + __high2float(h[2]));
+    float hi = (__low2float(h[1]) + __high2float(h[1])) + (__low2float(h[3]) + __high2float(h[3]));
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) {
+      lo += __shfl_xor_sync(0xffffffffu, lo, o);
+      hi += __shfl_xor_sync(0xffffffffu, hi, o);
+    }
+    if (live) {
+      dst[c + c / 4] = v;
+      if ((c & 3) == 0)
+        dst[c + c / 4 + 4] = make_uint4(__float_as_uint(fmaf(kFoldLo, lo, kFoldHi * hi)), kMagicLo, kMagicHi, 0u);
+    }
+  }
+}
+// [/fold-stage]
+#endif
+
 // Plain: copy x, 16 bytes at a time, into the padded layout (chunk c -> c + c/4).
 __device__ __forceinline__ void stage_x(unsigned char* xs, const half* __restrict__ x, const Geometry& q) {
   const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)q.gs * NQ_GROUP_SIZE);
+#if NQ_GEMV_FOLD
+  stage_fold(xs, q, [&](int c) { return src[c]; });
+#else
   uint4* dst = reinterpret_cast<uint4*>(xs);
   for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) dst[c + c / 4] = src[c];
+#endif
 }
 
 // [swiglu]
@@ -257,8 +352,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
                                              const Geometry& q) {
   const uint4* gsrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.gs * NQ_GROUP_SIZE);
   const uint4* usrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.K + (size_t)q.gs * NQ_GROUP_SIZE);
-  uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) {
+  auto act = [&](int c) {
     const uint4 gv = gsrc[c], uv = usrc[c];
     const half* gh = reinterpret_cast<const half*>(&gv);
     const half* uh = reinterpret_cast<const half*>(&uv);
@@ -266,8 +360,14 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
     half* ah = reinterpret_cast<half*>(&av);
 #pragma unroll
     for (int i = 0; i < 8; ++i) ah[i] = __float2half_rn(silu_mul(gh[i], uh[i]));
-    dst[c + c / 4] = av;
-  }
+    return av;
+  };
+#if NQ_GEMV_FOLD
+  stage_fold(xs, q, act);   // the sums are of the fp16-rounded act, the values the MMA reads
+#else
+  uint4* dst = reinterpret_cast<uint4*>(xs);
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) dst[c + c / 4] = act(c);
+#endif
 }
 // [/swiglu]
 

@@ -236,6 +236,7 @@ class ValidationSpec:
     graph_gen_tokens: int
     token_match_min: float
     near_tie_logit_gap: float
+    logit_err_max: float
 
 
 @dataclass(frozen=True)

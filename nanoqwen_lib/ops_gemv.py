@@ -124,15 +124,15 @@ def plan_split(n: int, k: int, tuning: dict | None = None) -> int:
 @functools.lru_cache(maxsize=1)
 def tuned_table() -> dict:
     """(launcher, N, K) -> (tuning, ksplit) for the 7B decode GEMVs: the fastest variant of
-    each shape measured on the H200 (PERFLOG.md, run 3; graph replay)."""
+    each shape measured on the H200 (PERFLOG.md, run 4: the FOLD unpack; graph replay)."""
     d = load().model("7b")
-    mt2u2 = {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}
+    fold_mt2u2 = {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}
     return {
-        ("gemv_int4", d.qkv_dim, d.hidden): ({}, 1),                                     # 8.0 us
-        ("gemv_int4", d.hidden, d.q_dim): ({"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}, 1),  # 6.1 us
-        ("gemv_int4", 2 * d.intermediate, d.hidden): (mt2u2, 1),                         # 29.4 us
-        ("gemv_int4", d.hidden, d.intermediate): ({"NQ_GEMV_WARPS": 2}, 3),              # 20.1-21.4 us
-        ("gemv_int4_swiglu", d.hidden, d.intermediate): (mt2u2, 5),                      # 23.0 us
+        ("gemv_int4", d.qkv_dim, d.hidden): ({}, 1),                                     # 8.07 us (FOLD: no gain)
+        ("gemv_int4", d.hidden, d.q_dim): ({"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}, 1),  # 5.85 us
+        ("gemv_int4", 2 * d.intermediate, d.hidden): (fold_mt2u2, 1),                    # 26.56 us
+        ("gemv_int4", d.hidden, d.intermediate): (fold_mt2u2, 3),                        # 18.01 us
+        ("gemv_int4_swiglu", d.hidden, d.intermediate): (fold_mt2u2, 3),                 # 19.15 us
     }
 
 

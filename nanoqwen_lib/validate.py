@@ -4,9 +4,12 @@
     layer  one decoder block against the reference (tests/test_gpu_engine.py -k layer)
     graph  greedy tokens of the engine (graph replay) against the reference model on CuPy:
            `graph_prompts` prompts x `graph_gen_tokens` tokens (nanoqwen.yaml), at least
-           `token_match_min` identical, divergences at near-ties counted apart. Reported
-           beside it, not gating: the teacher-forced match (`forced_agreement`), where
-           every step is fed the reference's token, so one divergence costs one token.
+           `token_match_min` identical, divergences at near-ties counted apart. The
+           teacher-forced pass (`teacher_forced`: every step is fed the reference's token,
+           so one divergence costs one token) runs first, in lockstep with the reference,
+           and measures the engine's logit error; the stage also fails if its p99.9 exceeds
+           `logit_err_max`, so the near-tie line only ever covers rounding noise. The
+           teacher-forced match is reported beside, not gating.
 
 The unit and layer stages are the GPU test files, run by pytest from the checkout; the
 graph stage is `greedy_agreement`, which also backs the model test.
@@ -113,6 +116,12 @@ class ForcedAgreement:
                 "max_abs_logit_err": dict(zip(map(str, q), np.percentile(self.logit_err, q).round(4).tolist())),
                 "abs_gap_err": dict(zip(map(str, q), np.percentile(np.abs(self.gap_err), q).round(4).tolist()))}
 
+    def logit_error_ok(self) -> bool:
+        """The engine's logit error is within `logit_err_max` (p99.9 of the per-step max),
+        so that near-ties are the engine's rounding noise, not a bug's (True when the
+        candidate showed no logits: nothing to judge)."""
+        return not self.logit_err or np.percentile(self.logit_err, 99.9) <= load().validation.logit_err_max
+
     def summary(self) -> str:
         s = (f"teacher-forced: {self.identical}/{self.tokens} steps identical, {self.near_tie_mismatches} "
              f"mismatches at near-ties; match {100 * self.match:.2f}%")
@@ -192,7 +201,9 @@ def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = Non
             progress(f.summary())
             a = greedy_agreement(engine, reference, ps, n, refs)
             progress(a.summary())
-            out[stage] = {"passed": a.passes(), **asdict(a), "match": a.match,
+            if not f.logit_error_ok():
+                progress(f"logit error p99.9 above logit_err_max = {v.logit_err_max}: near-ties cannot be trusted")
+            out[stage] = {"passed": a.passes() and f.logit_error_ok(), **asdict(a), "match": a.match,
                           "forced": {**asdict(f), "match": f.match, "logit_error": f.logit_error_summary()}}
         if not out[stage]["passed"]:
             progress(f"stage {stage} failed: the ladder stops here")

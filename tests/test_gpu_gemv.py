@@ -12,6 +12,12 @@ subnormal spacing. `acc` bounds the FP32 accumulation: a chain of about n adds l
 most n * 2^-24 of sum |w_k x_k|; 2^-18 allows 64 such steps (tensor-core groups, then the
 per-warp, per-CTA and split-K sums), 2^-16 the lm_head's ~120 sequential FMAs per lane.
 A single wrong element or index costs about sum|w x| / K, far above both.
+
+NQ_GEMV_FOLD=1 (gemv_int4.cu, [fold]) lets the tensor core sum (1032 + s) x and (72 + s) x
+and subtracts 1032 sum_lo x + 72 sum_hi x per group afterwards: its fp32 partial sums are
+larger, and so is their rounding. Its cases add FOLD_ACC * sum_g scale_g * (1032 sum_lo |x|
++ 72 sum_hi |x|) (the folded magnitude, about 260 sum|w x|): a few fp32 ulps of it, far below
+what a lo/hi slot mix-up or a wrong correction costs (~ 1000 sum|x| * scale per group).
 """
 from __future__ import annotations
 
@@ -30,6 +36,15 @@ from nanoqwen_lib import ops_gemv  # noqa: E402
 from .gpu_cases import SHAPES_7B, TINY16, U16, rand_int4
 
 ODD = [(n, k) for n in (1, 7, 130, 1000) for k in (128, 384, 1152)]
+FOLD_ACC = 2.0 ** -22
+
+
+def fold_magnitude(scales, x64):
+    """Per row, sum_g scale_g * (1032 sum_lo |x| + 72 sum_hi |x|): k % 4 < 2 are the lo
+    slots of a group (the halves 0,1,4,5 of every 8), the rest hi."""
+    ax = np.abs(x64).reshape(-1, 32, 4)
+    f = 1032.0 * ax[:, :, :2].sum(axis=(1, 2)) + 72.0 * ax[:, :, 2:].sum(axis=(1, 2))
+    return scales.astype(np.float64) @ f
 
 
 def dev(a):
@@ -98,6 +113,8 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
                            residual=None if res is None else dev(res), ksplit=ksplit, tuning=tuning,
                            impl=impl, ctas=ctas)
     dot, absdot = ref_matvec(words, scales, x64)
+    if (tuning or {}).get("NQ_GEMV_FOLD"):
+        extra = extra + FOLD_ACC * fold_magnitude(scales, x64)
     ref = dot + (0 if b is None else b.astype(np.float64))
     ref = ref + (0 if res is None else res.astype(np.float64))
     return check_close(f"{launcher} {impl} N={n} K={k} ksplit={ksplit} ctas={ctas}", out.get(), ref, absdot,
@@ -130,7 +147,16 @@ def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
                                          ("tiles", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_BRANCHLESS": 0}),
                                          ("stream", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}),
-                                         ("stream", {"NQ_GEMV_STREAM_RING": 8})])
+                                         ("stream", {"NQ_GEMV_STREAM_RING": 8}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_UNROLL": 2}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_BRANCHLESS": 0}),
+                                         ("stream", {"NQ_GEMV_FOLD": 1}),
+                                         ("stream", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_STREAM_WARPS": 8,
+                                                     "NQ_GEMV_STREAM_RING": 8})])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 3584, None), (130, 1152, 3), (1000, 18944, None)])
 def test_gemv_int4_tuning_variants(rng, impl, tuning, n, k, ksplit):
     run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning=tuning, impl=impl)
@@ -154,10 +180,16 @@ def test_gemv_int4_swiglu(rng, n, k, ksplit, impl):
     run_gemv(rng, n, k, bias=False, residual=True, ksplit=ksplit, launcher="swiglu", impl=impl)
 
 
-@pytest.mark.parametrize("tuning", [{"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_WARPS": 2}])
+@pytest.mark.parametrize("impl,tuning", [("tiles", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
+                                         ("tiles", {"NQ_GEMV_WARPS": 2}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
+                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}),
+                                         ("stream", {"NQ_GEMV_FOLD": 1})])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, 5), (130, 1152, 1)])
-def test_gemv_int4_swiglu_tuning_variants(rng, tuning, n, k, ksplit):
-    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, launcher="swiglu", tuning=tuning)
+def test_gemv_int4_swiglu_tuning_variants(rng, impl, tuning, n, k, ksplit):
+    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, launcher="swiglu", tuning=tuning, impl=impl)
 
 
 def test_launcher_refuses_bad_buffers():

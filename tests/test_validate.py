@@ -127,3 +127,15 @@ def test_teacher_forced_returns_the_references_stream_and_logit_errors():
     assert np.allclose(a.gap_err, [0, 0.25, 0, 0, 0, 0])
     e = a.logit_error_summary()
     assert e["steps"] == 6 and e["max_abs_logit_err"]["100"] == 0.25
+    assert a.logit_error_ok() == (0.25 <= V.logit_err_max)
+
+
+def test_a_large_logit_error_fails_whatever_the_tokens():
+    """Identical tokens, but one step's logits are off by more than logit_err_max: the
+    engine is not trusted to call its divergences near-ties."""
+    ref = Scripted(list(range(4)), [5.0] * 4)
+    cand = Forced(list(range(4)))
+    step = iter(range(4))
+    cand.logits = lambda: ref.step_logits(next(step)) + 2 * V.logit_err_max
+    a, _ = teacher_forced(cand, ref, [[5]], 4)
+    assert a.identical == 4 and not a.logit_error_ok()

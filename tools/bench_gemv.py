@@ -33,7 +33,14 @@ STREAM_VARIANTS = (("16w x1", {}, 1), ("16w x1 ring8", {"NQ_GEMV_STREAM_RING": 8
                    ("8w x3", {"NQ_GEMV_STREAM_WARPS": 8}, 3))
 VARIANTS = (("v1 guarded", {"NQ_GEMV_BRANCHLESS": 0}), ("U2", {"NQ_GEMV_UNROLL": 2}),
             ("W2", {"NQ_GEMV_WARPS": 2}), ("W8", {"NQ_GEMV_WARPS": 8}),
-            ("W8 U2", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}), ("MT2 U2", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}))
+            ("W8 U2", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}), ("MT2 U2", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
+            ("FOLD", {"NQ_GEMV_FOLD": 1}), ("FOLD U2", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_UNROLL": 2}),
+            ("FOLD W2", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}),
+            # FOLD alone takes 180 / 191 registers (2 / 5 CTAs per SM, against 3 / 6 unfolded): capped
+            ("FOLD C3", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MIN_CTAS": 3}),
+            ("FOLD W2 C6", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2, "NQ_GEMV_MIN_CTAS": 6}),
+            ("FOLD W8 U2", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
+            ("FOLD MT2 U2", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}))
 
 
 def record(shape, variant, t, nbytes, ceiling, **extra):
