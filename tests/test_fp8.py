@@ -158,3 +158,23 @@ def test_fp8_is_closer_to_the_fp16_weights_than_int4(fp8_tiny):
         rel[enc] = float(np.linalg.norm(logits - base) / np.linalg.norm(base))
     print(rel)
     assert rel["fp8"] < rel["int4"] / 2, rel
+
+
+def test_fp8_prefill_amplifies_one_ulp_noise_int4_does_not():
+    """The yardstick of tests/gpu_cases.check_prefill (tests/sensitivity.py): moving the
+    embedding by one fp16 ulp moves the FP8 prefill's layer-1 K by percents (E4M3 rounding
+    flips), the INT4 prefill's by far less. The GPU test bounds FP8 past layer 0 by it."""
+    from nanoqwen_lib.reference import ReferenceModel
+    from nanoqwen_lib.synthetic import packed_synthetic
+    from nanoqwen_lib.weightfile import NanoqwenFile
+
+    from .sensitivity import one_ulp_sensitivity
+    prompt = np.random.default_rng(17).integers(0, 151643, 17).tolist()
+    seen = {}
+    for weights in ("int4", "fp8"):
+        f = NanoqwenFile.open(packed_synthetic("tiny", weights=weights))
+        seen[weights] = one_ulp_sensitivity(ReferenceModel, f.dims, f.model_tensors(), prompt, (0, 1), np, seed=17)
+    (int4_layers, int4_logits), (fp8_layers, fp8_logits) = seen["int4"], seen["fp8"]
+    assert max(fp8_layers[1]) > 1e-2 and fp8_logits > 1e-2, seen["fp8"]
+    assert max(int4_layers[1]) < 2e-3 and int4_logits < 2e-3, seen["int4"]
+    assert max(fp8_layers[1]) > 10 * max(int4_layers[1])
