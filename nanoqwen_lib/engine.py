@@ -312,11 +312,14 @@ class GpuBackend:
         return int(self.arena["s.generated"][position].get())
 
     # ------------------------------------------------------------------ prefill
+    PREFILL_GEMMS = "INT4 tensor-core GEMMs"        # what this class's prefill projections run on
+
     @property
     def prefill_kind(self) -> str:
         if self.prefill_mode == "tensor-core":
-            return f"INT4 tensor-core GEMMs, chunks of {self.chunk} tokens"
+            return f"{self.PREFILL_GEMMS}, chunks of {self.chunk} tokens"
         return "token by token through the decode step"
+
 
     def prefill_launches(self, start: int, t: int) -> list[tuple[str, object]]:
         """Prompt positions start .. start+t-1 through every layer as one batch (rows of the

@@ -19,6 +19,7 @@ from .engine import GpuBackend
 
 class GpuBackendFp8(GpuBackend):
     encoding = "fp8"
+    PREFILL_GEMMS = "FP8 E4M3 GEMMs (mma.sync, per-token activation scales)"
     f8 = ops_fp8
 
     def layer_launches(self, l: int) -> list[tuple[str, object]]:

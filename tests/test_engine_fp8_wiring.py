@@ -70,3 +70,12 @@ def test_fp8_prefill_launches_pass_their_checks(recorded, dims_name, t, start):
             assert gemm[1][0] == -(-t // ops_fp8.GEMM_BM)          # token tiles of the GEMM grid
             seen.add(name)
     assert seen == set(SWAPPED_PREFILL)
+
+
+def test_each_engine_names_its_own_prefill_gemms():
+    """What bench writes as protocol.prefill (the FP8 bench JSON of 5bcd157 said INT4)."""
+    from nanoqwen_lib.engine import GpuBackend
+    for cls, word in ((GpuBackend, "INT4"), (GpuBackendFp8, "FP8")):
+        eng = object.__new__(cls)
+        eng.prefill_mode, eng.chunk = "tensor-core", 512
+        assert eng.prefill_kind.startswith(word) and "512" in eng.prefill_kind
