@@ -4,9 +4,10 @@
 //   nq_quantize_act_int8  x fp16 [K] -> int8 per group of 128 (scale = absmax/127), dp4a byte order
 //   nq_gemv_int4_dp4a     out as nq_gemv_int4 from the int8 activations, __dp4a on INT4->INT8 weights
 //   nq_gemv_int4{,_swiglu,_dp4a}_stream  the same three as persistent stream-K kernels (v3)
-//   compile-time: NQ_GEMV_{WARPS,UNROLL,MTILES,BRANCHLESS,MIN_CTAS} (tiles), NQ_GEMV_STREAM_{WARPS,RING},
+//   nq_gemv_int4{,_swiglu}_bulk  persistent, weights streamed into shared memory by cp.async.bulk (v5)
+//   compile-time: NQ_BULK_{STAGES,GROUPS,MAX_ITEM_GROUPS} (bulk), NQ_GEMV_{WARPS,UNROLL,MTILES,BRANCHLESS,MIN_CTAS} (tiles), NQ_GEMV_STREAM_{WARPS,RING},
 //   NQ_GEMV_FOLD (prmt/mma unpack without the per-pair subtraction, see [fold])
-// nq-variants: NQ_GEMV_UNROLL=2; NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=8,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=2; NQ_GEMV_BRANCHLESS=0; NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8; NQ_GEMV_FOLD=1; NQ_GEMV_FOLD=1,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_WARPS=8,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_WARPS=2; NQ_GEMV_FOLD=1,NQ_GEMV_BRANCHLESS=0; NQ_GEMV_FOLD=1,NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8
+// nq-variants: NQ_GEMV_UNROLL=2; NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=8,NQ_GEMV_UNROLL=2; NQ_GEMV_WARPS=2; NQ_GEMV_BRANCHLESS=0; NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8; NQ_GEMV_FOLD=1; NQ_GEMV_FOLD=1,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_MTILES=2,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_WARPS=8,NQ_GEMV_UNROLL=2; NQ_GEMV_FOLD=1,NQ_GEMV_WARPS=2; NQ_GEMV_FOLD=1,NQ_GEMV_BRANCHLESS=0; NQ_GEMV_FOLD=1,NQ_GEMV_STREAM_WARPS=8,NQ_GEMV_STREAM_RING=8; NQ_BULK_STAGES=8,NQ_BULK_GROUPS=4; NQ_BULK_GROUPS=16,NQ_BULK_STAGES=2,NQ_GEMV_FOLD=1
 //
 // Shapes (runtime): qweight uint32 [N, K/8], scales fp16 [N, K/128], K a multiple of 128,
 // any N >= 1. Tuned for the 7B decode shapes (N 3584..37888, K 3584 / 18944) on an H200.
@@ -24,7 +25,7 @@
 // What it degrades to: N not a multiple of 16 reads the last row again for the missing rows
 // (never stored); a CTA's range is capped by its dynamic shared memory (the launcher picks
 // ksplit so that ceil(G/ksplit) groups fit).
-#include "common.cuh"
+#include "mbarrier.cuh"   // common.cuh, and the bulk-copy / mbarrier wrappers (v4 bulk kernels)
 
 #ifndef NQ_GEMV_WARPS
 #define NQ_GEMV_WARPS 4     // warps per CTA (split of the CTA's K range)
@@ -162,6 +163,7 @@ struct Geometry {          // what every lane needs to address its rows
   int N, K, G, KW;         // rows, inputs, groups per row, words per row
   int row0, gs, ng;        // first row of the CTA, first group of its range, groups in it
   int lane, warp, g, t;
+  int stid, sthreads;      // the threads that stage x: this one's index among them, and how many
 };
 
 __device__ __forceinline__ void load_rows(GroupRegs& r, const uint32_t* __restrict__ qw,
@@ -297,16 +299,16 @@ struct Dp4aPath {
 // Stores chunk c (8 halves) at c + c/4 and, per group, {fold, kMagicLo, kMagicHi, 0} with
 // fold = 1032 * sum_lo + 72 * sum_hi (see [fold]) in the padding behind each of the four
 // lane runs (bytes 64 + 80t of the group: banks 16, 4, 24, 12, no conflicts). The 16 chunks
-// of a group are 16 consecutive c, i.e. one half-warp of one pass (blockDim and the chunk
-// count are multiples of 16): the half-warp adds its chunk sums by shuffles, in a fixed
+// of a group are 16 consecutive c, i.e. one half-warp of one pass (the staging threads and
+// the chunk count are multiples of 16): the half-warp adds its chunk sums by shuffles, in a fixed
 // order (xor butterfly: every lane ends with the same bits), and lanes with c % 4 == 0
 // write the copies. Passes are warp-uniform so that the full-mask shuffles are legal.
 template <class Chunk>
 __device__ __forceinline__ void stage_fold(unsigned char* xs, const Geometry& q, const Chunk& chunk) {
   uint4* dst = reinterpret_cast<uint4*>(xs);
   const int n = q.ng * (NQ_GROUP_SIZE / 8);
-  for (int c0 = threadIdx.x & ~31; c0 < n; c0 += blockDim.x) {
-    const int c = c0 + (threadIdx.x & 31);
+  for (int c0 = q.stid & ~31; c0 < n; c0 += q.sthreads) {
+    const int c = c0 + (q.stid & 31);
     const bool live = c < n;                       // the same for the whole half-warp
     const uint4 v = live ? chunk(c) : make_uint4(0u, 0u, 0u, 0u);
     const half2* h = reinterpret_cast<const half2*>(&v);
@@ -334,7 +336,7 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const half* __restric
   stage_fold(xs, q, [&](int c) { return src[c]; });
 #else
   uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) dst[c + c / 4] = src[c];
+  for (int c = q.stid; c < q.ng * (NQ_GROUP_SIZE / 8); c += q.sthreads) dst[c + c / 4] = src[c];
 #endif
 }
 
@@ -366,7 +368,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
   stage_fold(xs, q, act);   // the sums are of the fp16-rounded act, the values the MMA reads
 #else
   uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) dst[c + c / 4] = act(c);
+  for (int c = q.stid; c < q.ng * (NQ_GROUP_SIZE / 8); c += q.sthreads) dst[c + c / 4] = act(c);
 #endif
 }
 // [/swiglu]
@@ -375,7 +377,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
 __device__ __forceinline__ void stage_xq(unsigned char* xs, const int8_t* __restrict__ xq, const Geometry& q) {
   const uint4* src = reinterpret_cast<const uint4*>(xq + (size_t)q.gs * NQ_GROUP_SIZE);
   uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 16); c += blockDim.x) dst[c] = src[c];
+  for (int c = q.stid; c < q.ng * (NQ_GROUP_SIZE / 16); c += q.sthreads) dst[c] = src[c];
 }
 
 // ---- the body shared by the three GEMVs ------------------------------------------------
@@ -409,6 +411,7 @@ __device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __
   q.gs = (int)((long long)blockIdx.y * q.G / e.ksplit);
   q.ng = (int)((long long)(blockIdx.y + 1) * q.G / e.ksplit) - q.gs;
   q.lane = threadIdx.x & 31; q.warp = threadIdx.x >> 5; q.g = q.lane >> 2; q.t = q.lane & 3;
+  q.stid = threadIdx.x; q.sthreads = blockDim.x;
 
   // Local groups of this warp: warp, warp + kWarps, ...; batches of kUnroll of them.
   const int mine = q.warp < q.ng ? (q.ng - q.warp + kWarps - 1) / kWarps : 0;
@@ -581,6 +584,7 @@ __device__ __forceinline__ void gemv_stream_body(const Stage& stage, const uint3
   Geometry q;
   q.N = N; q.K = K; q.G = K / NQ_GROUP_SIZE; q.KW = K / 8; q.row0 = 0; q.gs = 0; q.ng = q.G;
   q.lane = threadIdx.x & 31; q.warp = threadIdx.x >> 5; q.g = q.lane >> 2; q.t = q.lane & 3;
+  q.stid = threadIdx.x; q.sthreads = blockDim.x;
   const int tiles = (N + 15) / 16;
   StreamGrid sg{(long long)tiles * q.G, (int)gridDim.x * kStreamWarps};
   const int w = blockIdx.x * kStreamWarps + q.warp;
@@ -622,6 +626,196 @@ __device__ __forceinline__ void gemv_stream_body(const Stage& stage, const uint3
       }
     }
   }
+}
+
+// ---- v5: the bulk kernels (persistent; the copy engine streams the weights) ---------------
+// v2-v4 hold every weight in flight in registers (166-180 per thread, ~12 warps per SM), so
+// an SM has ~50 KB of loads outstanding at best and every CTA boundary drains it; the FP8
+// GEMV, with 64 light warps per SM, reads at ~83% of the ceiling (PERFLOG.md). Here the
+// weights travel by cp.async.bulk into a ring of shared-memory stages, so bytes in flight
+// no longer cost registers. Roles in a CTA of 5 warps (the paged attention's scheme):
+//   warp 0      producer: lanes 0..15 each copy one row's segment of a stage (16 rows x
+//               up to NQ_BULK_GROUPS groups x 64 B), after lane 0 posts the stage's bytes
+//               on its full barrier (arrive.expect_tx)
+//   warps 1..4  consumers: stage all of x once, then per stage warp cw multiplies the
+//               stage's groups cw, cw + 4, ... exactly as the tiles kernel does (prmt or
+//               FOLD unpack, mma.sync, scale FMA), reading the weights from shared memory
+// Work items are (16-row tile, K slice) pairs, item = tile * ksplit + slice, dealt to the
+// persistent CTAs round-robin; one stage counter runs across a CTA's items, so the ring
+// never drains between them. A split item publishes its slice to the FP32 workspace and
+// the last CTA of the tile adds the slices in slice order (deterministic), as in v2.
+// Scales (2 bytes per row and group) go by ordinary loads, one item ahead, into registers
+// and then shared memory: a bulk copy needs 16-byte aligned segments, which the rows of an
+// [N, K/128] fp16 array are not.
+#ifndef NQ_BULK_STAGES
+#define NQ_BULK_STAGES 4
+#endif
+#ifndef NQ_BULK_GROUPS
+#define NQ_BULK_GROUPS 8
+#endif
+#ifndef NQ_BULK_MAX_ITEM_GROUPS
+#define NQ_BULK_MAX_ITEM_GROUPS 40
+#endif
+constexpr int kBulkStages = NQ_BULK_STAGES;
+constexpr int kBulkGroups = NQ_BULK_GROUPS;                 // groups per stage
+constexpr int kBulkConsumerWarps = 4;
+constexpr int kBulkConsumers = 32 * kBulkConsumerWarps;
+constexpr int kBulkThreads = 32 + kBulkConsumers;
+// A stage row is kBulkGroups * 64 bytes, padded to an odd multiple of 64: lane (g, t) reads
+// 16 bytes at g * stride + 16 t, so rows g and g + 1 start 16 banks apart and each
+// quarter-warp's eight 16-byte reads cover the 32 banks once.
+constexpr int kBulkRowStride = kBulkGroups * 64 + (kBulkGroups % 2 == 0 ? 64 : 0);
+constexpr int kBulkStageBytes = 16 * kBulkRowStride;
+constexpr int kBulkMaxItemGroups = NQ_BULK_MAX_ITEM_GROUPS;
+constexpr int kBulkScaleHalves = 16 * kBulkMaxItemGroups;  // one item's scales
+constexpr int kBulkScaleRegs = (kBulkScaleHalves + kBulkConsumers - 1) / kBulkConsumers;
+static_assert(kBulkGroups >= 1 && kBulkGroups <= 16, "1..16 groups per stage");
+static_assert(kBulkStages >= 2 && kBulkStages <= 8, "2..8 stages");
+static_assert(kBulkStageBytes % 128 == 0, "stages stay 128-byte aligned (bulk copies need 16)");
+static_assert(kBulkScaleHalves % 8 == 0, "the scale buffers keep x's 16-byte alignment");
+
+__device__ __forceinline__ void bulk_consumer_barrier() {   // named barrier 1: the consumers only
+  asm volatile("bar.sync 1, %0;" :: "n"(kBulkConsumers) : "memory");
+}
+
+struct BulkItem {            // item -> (tile, slice) and the slice's groups [gs, gs + ng)
+  int tile, slice, gs, ng;
+  __device__ BulkItem(int item, int ksplit, int G) {
+    tile = item / ksplit;
+    slice = item % ksplit;
+    gs = (int)((long long)slice * G / ksplit);
+    ng = (int)((long long)(slice + 1) * G / ksplit) - gs;
+  }
+};
+
+// Dynamic shared memory: [ring: kBulkStages x kBulkStageBytes][x: G x 320 B][scales: 2 x kBulkScaleHalves fp16].
+// grid: any (persistent; the launcher uses min(items, CTAs that fit)); block kBulkThreads.
+template <class Stage>
+__device__ __forceinline__ void gemv_bulk_body(const Stage& stage, const uint32_t* __restrict__ qw,
+                                               const half* __restrict__ scales, const Epilogue& e,
+                                               int N, int K) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[kBulkStages], empty[kBulkStages];
+  __shared__ float red[kBulkConsumerWarps][16];
+  __shared__ int is_last;
+  unsigned char* ring = smem;
+  unsigned char* xs = smem + kBulkStages * kBulkStageBytes;
+  const int G = K / NQ_GROUP_SIZE, KW = K / 8;
+  half* sc = reinterpret_cast<half*>(xs + G * kSmemGroupHalves * 2);
+  const int tiles = (N + 15) / 16, items = tiles * e.ksplit;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBulkStages; ++s) {
+      mbar_init(&full[s], 1);                       // the producer's arrive.expect_tx
+      mbar_init(&empty[s], kBulkConsumerWarps);     // lane 0 of each consumer warp
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();   // all threads, before the role split: barriers initialised
+
+  if (warp == 0) {
+    // [bulk-produce]
+    int it = 0;                                      // stages issued so far, across items
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const BulkItem w(item, e.ksplit, G);
+      const int row = min(w.tile * 16 + (lane & 15), N - 1);   // rows past N: copies of the last
+      for (int j = 0; j < w.ng; j += kBulkGroups, ++it) {
+        const int s = it % kBulkStages;
+        mbar_wait(&empty[s], ((it / kBulkStages) & 1) ^ 1);    // the first round passes at once
+        const int nc = min(kBulkGroups, w.ng - j);
+        if (lane == 0) mbar_arrive_expect_tx(&full[s], 16 * nc * 64);
+        __syncwarp();
+        if (lane < 16)
+          bulk_copy_g2s(ring + s * kBulkStageBytes + lane * kBulkRowStride,
+                        qw + (size_t)row * KW + (size_t)(w.gs + j) * kGroupWords, nc * 64, &full[s]);
+      }
+    }
+    // [/bulk-produce]
+    return;
+  }
+
+  // [bulk-consume]
+  const int ct = threadIdx.x - 32, cw = warp - 1;
+  Geometry q;                    // staging covers all of K, with the consumer threads only
+  q.N = N; q.K = K; q.G = G; q.KW = KW; q.row0 = 0; q.gs = 0; q.ng = G;
+  q.lane = lane; q.warp = cw; q.g = lane >> 2; q.t = lane & 3;
+  q.stid = ct; q.sthreads = kBulkConsumers;
+  stage(xs, q);                  // the producer's first copies are in flight meanwhile
+  // An item's scales: sc[buf][r * kBulkMaxItemGroups + i] = scales[row r of the tile][gs + i].
+  half pre[kBulkScaleRegs];
+  auto load_scales = [&](int item) {
+    const BulkItem w(item, e.ksplit, G);
+#pragma unroll
+    for (int u = 0; u < kBulkScaleRegs; ++u) {
+      const int i = ct + u * kBulkConsumers;
+      const int r = i / kBulkMaxItemGroups, c = i % kBulkMaxItemGroups;
+      pre[u] = (i < kBulkScaleHalves && c < w.ng)
+                   ? scales[(size_t)min(w.tile * 16 + r, N - 1) * G + w.gs + c] : __float2half(0.f);
+    }
+  };
+  if (blockIdx.x < items) load_scales(blockIdx.x);
+  int it = 0, buf = 0;
+  for (int item = blockIdx.x; item < items; item += gridDim.x, buf ^= 1) {
+    const BulkItem w(item, e.ksplit, G);
+    half* scb = sc + buf * kBulkScaleHalves;
+#pragma unroll
+    for (int u = 0; u < kBulkScaleRegs; ++u) {
+      const int i = ct + u * kBulkConsumers;
+      if (i < kBulkScaleHalves) scb[i] = pre[u];
+    }
+    bulk_consumer_barrier();     // consumers: this item's scales (and, the first time, x) are staged
+    if (item + (int)gridDim.x < items) load_scales(item + gridDim.x);   // in flight for a whole item
+    float acc[1][2] = {{0.f, 0.f}};
+    for (int j = 0; j < w.ng; j += kBulkGroups, ++it) {
+      const int s = it % kBulkStages;
+      mbar_wait(&full[s], (it / kBulkStages) & 1);
+      const int nc = min(kBulkGroups, w.ng - j);
+      const unsigned char* st = ring + s * kBulkStageBytes + q.t * 16;
+      for (int c = cw; c < nc; c += kBulkConsumerWarps) {    // warp-uniform
+        GroupRegs r;
+        r.w[0][0] = *reinterpret_cast<const uint4*>(st + q.g * kBulkRowStride + c * 64);
+        r.w[0][1] = *reinterpret_cast<const uint4*>(st + (q.g + 8) * kBulkRowStride + c * 64);
+        r.s[0][0] = __half2float(scb[q.g * kBulkMaxItemGroups + j + c]);
+        r.s[0][1] = __half2float(scb[(q.g + 8) * kBulkMaxItemGroups + j + c]);
+        const int grp = w.gs + j + c;
+        PrmtMmaPath::group(acc, r, xs + PrmtMmaPath::smem_offset_bytes(grp, q.t), grp, nullptr);
+      }
+      fence_proxy_async_smem();  // our reads of the stage precede its refill by the copy engine
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[s]);
+    }
+    if (q.t == 0) { red[cw][q.g] = acc[0][0]; red[cw][q.g + 8] = acc[0][1]; }
+    bulk_consumer_barrier();     // consumers: red[][] is complete
+    const int row = w.tile * 16 + ct;
+    float dot = 0.f;
+    if (ct < 16) {
+#pragma unroll
+      for (int v = 0; v < kBulkConsumerWarps; ++v) dot += red[v][ct];
+    }
+    if (e.ksplit == 1) {
+      if (ct < 16 && row < N) store_row(e, row, dot);
+    } else {
+      if (ct < 16 && row < N) {
+        e.ws[(size_t)w.slice * N + row] = dot;
+        __threadfence();         // the slice is visible before the counter moves
+      }
+      bulk_consumer_barrier();   // consumers: this slice is stored and fenced
+      if (ct == 0) is_last = atomicAdd(&e.counters[w.tile], 1) == e.ksplit - 1;
+      bulk_consumer_barrier();   // consumers: is_last is known
+      if (is_last) {
+        __threadfence();
+        if (ct < 16 && row < N) {
+          float v = 0.f;
+          for (int s2 = 0; s2 < e.ksplit; ++s2) v += __ldcg(&e.ws[(size_t)s2 * N + row]);   // L2, not L1
+          store_row(e, row, v);
+        }
+        if (ct == 0) e.counters[w.tile] = 0;   // ready for the next launch
+      }
+    }
+    bulk_consumer_barrier();     // consumers: red[][], is_last and this scale buffer may be reused
+  }
+  // [/bulk-consume]
 }
 #endif  // NQ_GEMV_MTILES == 1
 }  // namespace nq
@@ -715,5 +909,24 @@ nq_gemv_int4_dp4a_stream(const int8_t* __restrict__ xq, const float* __restrict_
                          int N, int K, int cmax) {
   nq::gemv_stream_body<nq::Dp4aPath>(nq::StageXq{xq}, qw, scales, xscale,
                                      nq::Epilogue{out, bias, residual, ws, counters, 1}, N, K, cmax);
+}
+#endif  // NQ_GEMV_MTILES == 1
+
+#if NQ_GEMV_MTILES == 1
+// v5 bulk: grid any (persistent), block nq::kBulkThreads, dynamic smem
+// kBulkStages * kBulkStageBytes + G * 320 + 2 * kBulkScaleHalves * 2 bytes (ops_gemv.bulk_smem_bytes).
+extern "C" __global__ void __launch_bounds__(nq::kBulkThreads)
+nq_gemv_int4_bulk(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
+                  half* out, const half* bias, const half* residual, float* ws, int* counters,
+                  int N, int K, int ksplit) {
+  nq::gemv_bulk_body(nq::StageX{x}, qw, scales, nq::Epilogue{out, bias, residual, ws, counters, ksplit}, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(nq::kBulkThreads)
+nq_gemv_int4_swiglu_bulk(const half* __restrict__ gate_up, const uint32_t* __restrict__ qw,
+                         const half* __restrict__ scales, half* out, const half* bias, const half* residual,
+                         float* ws, int* counters, int N, int K, int ksplit) {
+  nq::gemv_bulk_body(nq::StageSwiglu{gate_up}, qw, scales, nq::Epilogue{out, bias, residual, ws, counters, ksplit},
+                     N, K);
 }
 #endif  // NQ_GEMV_MTILES == 1

@@ -24,7 +24,14 @@ GROUP = load().format.group_size
 # Tuning knobs, passed as -D defines (the kernels' own #ifndef defaults mirror these).
 GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1,
                "NQ_GEMV_STREAM_WARPS": 16, "NQ_GEMV_STREAM_RING": 4}
-GEMV_IMPL = "tiles"             # "tiles": CTA per 16-row tile (+ split-K); "stream": persistent stream-K
+GEMV_IMPL = "tiles"             # "tiles": CTA per 16-row tile (+ split-K); "stream": persistent stream-K;
+GEMV_IMPLS = ("tiles", "stream", "bulk")   # "bulk": persistent, weights via cp.async.bulk (v5, not yet measured)
+BULK_TUNING = {"NQ_BULK_STAGES": 4, "NQ_BULK_GROUPS": 8, "NQ_BULK_MAX_ITEM_GROUPS": 40}
+BULK_THREADS = 160              # a producer warp + 4 consumer warps
+BULK_CTAS_PER_SM = 4            # at most; shared memory may allow fewer
+BULK_MIN_BALANCE = 0.9          # split K until the items spread this evenly over the CTAs
+SMEM_PER_SM = 233472            # H100 / H200: 228 KiB of shared memory per SM
+SMEM_PER_CTA_RESERVED = 1024 + 512   # the driver's reservation + the kernel's static shared memory
 STREAM_CTAS_PER_SM = 1
 STREAM_MIN_WARP_UNITS = 2       # fewer CTAs for tiny GEMVs: every warp gets >= 2 units
 LMHEAD_TUNING = {"NQ_LMHEAD_WARPS": 8, "NQ_LMHEAD_ROWS_PER_WARP": 4, "NQ_LMHEAD_UNROLL": 4}
@@ -155,9 +162,13 @@ def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group
     if residual is not None:
         _check(fn, "residual", residual, np.float16, (n,))   # may be `out` itself (in place)
     impl = impl or GEMV_IMPL
-    if impl not in ("tiles", "stream"):
-        raise NanoqwenError(f"ops_gemv.{fn}", "impl", "'tiles' or 'stream'", repr(impl))
+    if impl not in GEMV_IMPLS:
+        raise NanoqwenError(f"ops_gemv.{fn}", "impl", f"one of {GEMV_IMPLS}", repr(impl))
     groups = k // GROUP
+    if impl == "bulk":
+        _launch_bulk(fn, kernel_name + "_bulk", act_args, qweight, scales, out, bias, residual, n, k,
+                     ksplit, tuning, ctas)
+        return
     # The stream kernels stage all of K per CTA; past 48 KiB they fall back to tiles.
     ts = {**GEMV_TUNING, **(tuning or {})}
     if impl == "stream" and ts["NQ_GEMV_MTILES"] == 1 and groups * act_bytes_per_group <= 48 * 1024:
@@ -180,6 +191,69 @@ def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group
                          f"ksplit*N = {s * n}, tiles = {tiles}")
     kern = _gemv_kernel(kernel_name, t)
     kern((tiles, s), (32 * t["NQ_GEMV_WARPS"],),
+         act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
+                     np.int32(n), np.int32(k), np.int32(s)),
+         shared_mem=smem)
+
+
+def bulk_smem_bytes(k: int, t: dict) -> int:
+    """Dynamic shared memory of a bulk CTA: the ring of stages (16 rows x GROUPS groups of
+    64 B, rows padded to an odd multiple of 64 B), all of x (320 B per group), two items'
+    scales."""
+    g = t["NQ_BULK_GROUPS"]
+    ring = t["NQ_BULK_STAGES"] * 16 * (g * 64 + (64 if g % 2 == 0 else 0))   # rows an odd multiple of 64 B apart
+    return ring + (k // GROUP) * 2 * (GROUP + GROUP // 4) + 2 * 16 * t["NQ_BULK_MAX_ITEM_GROUPS"] * 2
+
+
+def plan_bulk(n: int, k: int, t: dict, sms: int, ksplit: int | None = None, ctas: int | None = None):
+    """-> (ksplit, grid) of a bulk launch. Items are (16-row tile, K slice); a slice has at
+    most NQ_BULK_MAX_ITEM_GROUPS groups (the scale buffer). Without an explicit ksplit, K is
+    split further until the items spread over the SMs at BULK_MIN_BALANCE or better (the
+    busiest SM's share is what the launch costs), keeping at least one stage per item."""
+    tiles, groups = -(-n // 16), k // GROUP
+    per_sm = min(BULK_CTAS_PER_SM, SMEM_PER_SM // (bulk_smem_bytes(k, t) + SMEM_PER_CTA_RESERVED))
+    if per_sm < 1:
+        raise LimitError("ops_gemv.gemv (bulk)", "shared memory of one CTA", f"<= {SMEM_PER_SM} B per SM",
+                         f"{bulk_smem_bytes(k, t)} B (K={k})", "fewer NQ_BULK_STAGES or NQ_BULK_GROUPS")
+    cap = ctas or per_sm * sms
+    least = -(-groups // t["NQ_BULK_MAX_ITEM_GROUPS"])
+
+    def balance(s):               # mean items per SM over the busiest SM's
+        per = tiles * s / sms
+        return per / -(-per // 1)
+
+    if ksplit is None:
+        ksplit = least
+        for s in range(least, groups + 1):
+            if groups / s < t["NQ_BULK_GROUPS"] and s > least:
+                break
+            if balance(s) > balance(ksplit) + 1e-9:
+                ksplit = s
+            if balance(s) >= BULK_MIN_BALANCE:
+                ksplit = s
+                break
+    if not least <= ksplit <= groups:
+        raise NanoqwenError("ops_gemv.gemv (bulk)", "ksplit", f"{least}..{groups} (at most "
+                            f"{t['NQ_BULK_MAX_ITEM_GROUPS']} groups per slice)", ksplit)
+    return ksplit, min(tiles * ksplit, cap)
+
+
+def _launch_bulk(fn, kernel_name, act_args, qweight, scales, out, bias, residual, n, k, ksplit, tuning, ctas):
+    """Persistent bulk-copy launch (v5): see kernels/gemv_int4.cu, [bulk-produce] / [bulk-consume]."""
+    t = {**GEMV_TUNING, **BULK_TUNING, **(tuning or {})}
+    if t["NQ_GEMV_MTILES"] != 1:
+        raise NanoqwenError(f"ops_gemv.{fn}", "tuning NQ_GEMV_MTILES", "1 for impl='bulk'", t["NQ_GEMV_MTILES"])
+    s, grid = plan_bulk(n, k, t, num_sms(), ksplit, ctas)
+    tiles = -(-n // 16)
+    ws = workspace()
+    if s > 1 and (s * n > ws.partial.size or tiles > ws.counters.size):
+        raise LimitError(f"ops_gemv.{fn}", "split-K workspace",
+                         f"ksplit*N <= {ws.partial.size} and tiles <= {ws.counters.size}",
+                         f"ksplit*N = {s * n}, tiles = {tiles}")
+    kern = _gemv_kernel(kernel_name, t)
+    smem = bulk_smem_bytes(k, t)
+    kern.max_dynamic_shared_size_bytes = smem
+    kern((grid,), (BULK_THREADS,),
          act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
                      np.int32(n), np.int32(k), np.int32(s)),
          shared_mem=smem)

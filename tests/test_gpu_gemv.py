@@ -121,7 +121,8 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
                        2.0 ** -18, extra)
 
 
-IMPLS = ["tiles", "stream"]
+IMPLS = ["tiles", "stream", "bulk"]
+IMPLS_DP4A = ["tiles", "stream"]        # no bulk dp4a kernel
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -135,7 +136,9 @@ def test_gemv_int4_7b(rng, shape, impl):
 # warp streams several tiles), 7 CTAs (many warps share each tile, some own nothing).
 @pytest.mark.parametrize("n,k", ODD)
 @pytest.mark.parametrize("impl,ksplit,ctas", [("tiles", None, None), ("tiles", 1, None), ("tiles", "max", None),
-                                              ("stream", None, None), ("stream", None, 1), ("stream", None, 7)])
+                                              ("stream", None, None), ("stream", None, 1), ("stream", None, 7),
+                                              ("bulk", None, None), ("bulk", 1, None), ("bulk", "max", None),
+                                              ("bulk", None, 1), ("bulk", None, 7)])
 def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
     s = k // 128 if ksplit == "max" else ksplit
     run_gemv(rng, n, k, bias=(n + k) % 2 == 0, residual=n % 2 == 1, ksplit=s, impl=impl, ctas=ctas)
@@ -156,13 +159,17 @@ def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_BRANCHLESS": 0}),
                                          ("stream", {"NQ_GEMV_FOLD": 1}),
                                          ("stream", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_STREAM_WARPS": 8,
-                                                     "NQ_GEMV_STREAM_RING": 8})])
+                                                     "NQ_GEMV_STREAM_RING": 8}),
+                                         ("bulk", {"NQ_GEMV_FOLD": 1}),
+                                         ("bulk", {"NQ_BULK_STAGES": 2, "NQ_BULK_GROUPS": 16}),
+                                         ("bulk", {"NQ_BULK_STAGES": 8, "NQ_BULK_GROUPS": 4}),
+                                         ("bulk", {"NQ_BULK_STAGES": 3, "NQ_BULK_GROUPS": 5, "NQ_GEMV_FOLD": 1})])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 3584, None), (130, 1152, 3), (1000, 18944, None)])
 def test_gemv_int4_tuning_variants(rng, impl, tuning, n, k, ksplit):
     run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning=tuning, impl=impl)
 
 
-@pytest.mark.parametrize("impl,ksplit", [("tiles", None), ("tiles", 1), ("stream", None)])
+@pytest.mark.parametrize("impl,ksplit", [("tiles", None), ("tiles", 1), ("stream", None), ("bulk", None), ("bulk", 1)])
 def test_gemv_int4_residual_in_place(rng, impl, ksplit):
     n = k = 3584
     words, scales = rand_int4(rng, n, k)
@@ -186,7 +193,8 @@ def test_gemv_int4_swiglu(rng, n, k, ksplit, impl):
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}),
-                                         ("stream", {"NQ_GEMV_FOLD": 1})])
+                                         ("stream", {"NQ_GEMV_FOLD": 1}),
+                                         ("bulk", {"NQ_GEMV_FOLD": 1})])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, 5), (130, 1152, 1)])
 def test_gemv_int4_swiglu_tuning_variants(rng, impl, tuning, n, k, ksplit):
     run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, launcher="swiglu", tuning=tuning, impl=impl)
@@ -216,7 +224,7 @@ def ref_quantize(x):
 DP4A_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])   # stored byte j of each run of 8 holds q[order[j]]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS_DP4A)
 @pytest.mark.parametrize("n,k", [SHAPES_7B[s] for s in SHAPES_7B] + [(7, 128), (130, 384), (1000, 1152)])
 def test_gemv_int4_dp4a(rng, n, k, impl):
     words, scales = rand_int4(rng, n, k)

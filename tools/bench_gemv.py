@@ -31,6 +31,11 @@ STREAM_VARIANTS = (("16w x1", {}, 1), ("16w x1 ring8", {"NQ_GEMV_STREAM_RING": 8
                    ("8w x2", {"NQ_GEMV_STREAM_WARPS": 8}, 2),
                    ("8w x2 ring8", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}, 2),
                    ("8w x3", {"NQ_GEMV_STREAM_WARPS": 8}, 3))
+# v5 bulk (persistent, cp.async.bulk ring): (label, tuning); ksplit and grid from ops_gemv.plan_bulk.
+BULK_VARIANTS = (("bulk", {}), ("bulk FOLD", {"NQ_GEMV_FOLD": 1}),
+                 ("bulk S6 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 6}),
+                 ("bulk S8 G4 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 8, "NQ_BULK_GROUPS": 4}),
+                 ("bulk S3 G16 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 3, "NQ_BULK_GROUPS": 16}))
 VARIANTS = (("v1 guarded", {"NQ_GEMV_BRANCHLESS": 0}), ("U2", {"NQ_GEMV_UNROLL": 2}),
             ("W2", {"NQ_GEMV_WARPS": 2}), ("W8", {"NQ_GEMV_WARPS": 8}),
             ("W8 U2", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}), ("MT2 U2", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
@@ -107,6 +112,8 @@ def bench_shape(name, n, k, ceiling, l2, quick):
         g = cps * ops_gemv.num_sms()
         run(f"stream {label}", lambda q, s, t=tuning, g=g: ops_gemv.gemv_int4(x, q, s, out, tuning=t, impl="stream",
                                                                             ctas=g, **kw))
+    for label, tv in BULK_VARIANTS:
+        run(label, lambda q, s, t=tv: ops_gemv.gemv_int4(x, q, s, out, tuning=t, impl="bulk", **kw))
     xq, xs = cp.zeros(k, cp.int8), cp.zeros(k // 128, cp.float32)
     ops_gemv.quantize_act_int8(x, xq, xs)
     run("dp4a (gemv only)", lambda q, s: ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, **kw), ksplit=auto)
@@ -126,6 +133,9 @@ def bench_shape(name, n, k, ceiling, l2, quick):
             g = cps * ops_gemv.num_sms()
             run(f"swiglu stream {label}", lambda q, s, t=tuning, g=g: ops_gemv.gemv_int4_swiglu(
                 gate_up, q, s, out, residual=out, tuning=t, impl="stream", ctas=g), nb)
+        for label, tv in BULK_VARIANTS:
+            run(f"swiglu {label}", lambda q, s, t=tv: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
+                                                                              tuning=t, impl="bulk"), nb)
         for label, tv in VARIANTS:
             tuning = {**ops_gemv.GEMV_TUNING, **tv}
             run(f"swiglu {label}", lambda q, s, t=tuning: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
