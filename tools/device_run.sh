@@ -69,6 +69,10 @@ for what in "$@"; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         --section LaunchStats --csv --page raw python3 tools/profile_decode.py > $OUT/decode-ncu.csv 2>$OUT/decode-ncu.err
       tail -3 $OUT/decode-ncu.err; wc -l $OUT/decode-ncu.csv ;;
+    gemv-bulk)
+      # v5 first: its GPU tests under a timeout (a ring protocol error hangs rather than fails), then its timings.
+      timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_gemv.py -k bulk 2>&1 | tee $OUT/gemv-bulk.log | tail -6
+      timeout 200 python3 tools/bench_gemv.py --quick --out $OUT/bench-gemv.json 2>&1 | tee $OUT/bench-gemv.log | grep -E "bulk|prmt-mma( |$)|ceiling" | head -60 ;;
     unverified-tests) timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_gemv.py tests/test_gpu_prefill.py 2>&1 | tee $OUT/unverified.log | tail -6 ;;
     book)
       for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done
