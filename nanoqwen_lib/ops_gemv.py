@@ -184,16 +184,22 @@ def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group
     if smem > 48 * 1024:
         raise LimitError(f"ops_gemv.{fn}", "shared memory of one CTA's K range",
                          "<= 48 KiB", f"{smem} B (K={k}, ksplit={s})", "raise ksplit")
-    ws = workspace()
-    if s > 1 and (s * n > ws.partial.size or tiles > ws.counters.size):
-        raise LimitError(f"ops_gemv.{fn}", "split-K workspace",
-                         f"ksplit*N <= {ws.partial.size} and tiles <= {ws.counters.size}",
-                         f"ksplit*N = {s * n}, tiles = {tiles}")
+    ws = split_workspace(fn, s, n, tiles)
     kern = _gemv_kernel(kernel_name, t)
     kern((tiles, s), (32 * t["NQ_GEMV_WARPS"],),
          act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
                      np.int32(n), np.int32(k), np.int32(s)),
          shared_mem=smem)
+
+
+def split_workspace(fn: str, s: int, n: int, tiles: int) -> Workspace:
+    """The workspace, after checking that a ksplit-way split of N rows in `tiles` tiles fits it."""
+    ws = workspace()
+    if s > 1 and (s * n > ws.partial.size or tiles > ws.counters.size):
+        raise LimitError(f"ops_gemv.{fn}", "split-K workspace",
+                         f"ksplit*N <= {ws.partial.size} and tiles <= {ws.counters.size}",
+                         f"ksplit*N = {s * n}, tiles = {tiles}")
+    return ws
 
 
 def bulk_smem_bytes(k: int, t: dict) -> int:
@@ -245,11 +251,7 @@ def _launch_bulk(fn, kernel_name, act_args, qweight, scales, out, bias, residual
         raise NanoqwenError(f"ops_gemv.{fn}", "tuning NQ_GEMV_MTILES", "1 for impl='bulk'", t["NQ_GEMV_MTILES"])
     s, grid = plan_bulk(n, k, t, num_sms(), ksplit, ctas)
     tiles = -(-n // 16)
-    ws = workspace()
-    if s > 1 and (s * n > ws.partial.size or tiles > ws.counters.size):
-        raise LimitError(f"ops_gemv.{fn}", "split-K workspace",
-                         f"ksplit*N <= {ws.partial.size} and tiles <= {ws.counters.size}",
-                         f"ksplit*N = {s * n}, tiles = {tiles}")
+    ws = split_workspace(fn, s, n, tiles)
     kern = _gemv_kernel(kernel_name, t)
     smem = bulk_smem_bytes(k, t)
     kern.max_dynamic_shared_size_bytes = smem
