@@ -163,7 +163,6 @@ struct Geometry {          // what every lane needs to address its rows
   int N, K, G, KW;         // rows, inputs, groups per row, words per row
   int row0, gs, ng;        // first row of the CTA, first group of its range, groups in it
   int lane, warp, g, t;
-  int stid, sthreads;      // the threads that stage x: this one's index among them, and how many
 };
 
 __device__ __forceinline__ void load_rows(GroupRegs& r, const uint32_t* __restrict__ qw,
@@ -294,6 +293,17 @@ struct Dp4aPath {
 // [/dp4a-group]
 
 // ---- staging: the CTA's K range of activations into shared memory ----------------------
+// Who stages: every thread of the CTA (tiles, stream), or a subset named by index and count
+// (the bulk kernels' consumer warps; whole warps, as stage_fold's shuffles need).
+struct AllThreads {
+  __device__ int tid() const { return threadIdx.x; }
+  __device__ int count() const { return blockDim.x; }
+};
+struct SomeThreads {
+  int i, n;
+  __device__ int tid() const { return i; }
+  __device__ int count() const { return n; }
+};
 #if NQ_GEMV_FOLD
 // [fold-stage]
 // Stores chunk c (8 halves) at c + c/4 and, per group, {fold, kMagicLo, kMagicHi, 0} with
@@ -303,12 +313,13 @@ struct Dp4aPath {
 // the chunk count are multiples of 16): the half-warp adds its chunk sums by shuffles, in a fixed
 // order (xor butterfly: every lane ends with the same bits), and lanes with c % 4 == 0
 // write the copies. Passes are warp-uniform so that the full-mask shuffles are legal.
-template <class Chunk>
-__device__ __forceinline__ void stage_fold(unsigned char* xs, const Geometry& q, const Chunk& chunk) {
+template <class Chunk, class Threads>
+__device__ __forceinline__ void stage_fold(unsigned char* xs, const Geometry& q, const Chunk& chunk,
+                                           const Threads& th) {
   uint4* dst = reinterpret_cast<uint4*>(xs);
   const int n = q.ng * (NQ_GROUP_SIZE / 8);
-  for (int c0 = q.stid & ~31; c0 < n; c0 += q.sthreads) {
-    const int c = c0 + (q.stid & 31);
+  for (int c0 = th.tid() & ~31; c0 < n; c0 += th.count()) {
+    const int c = c0 + (th.tid() & 31);
     const bool live = c < n;                       // the same for the whole half-warp
     const uint4 v = live ? chunk(c) : make_uint4(0u, 0u, 0u, 0u);
     const half2* h = reinterpret_cast<const half2*>(&v);
@@ -330,13 +341,24 @@ __device__ __forceinline__ void stage_fold(unsigned char* xs, const Geometry& q,
 #endif
 
 // Plain: copy x, 16 bytes at a time, into the padded layout (chunk c -> c + c/4).
-__device__ __forceinline__ void stage_x(unsigned char* xs, const half* __restrict__ x, const Geometry& q) {
+// Plain copy, chunk c -> c + c/4. The all-threads form is spelled with threadIdx / blockDim:
+// ptxas schedules the tiles kernel differently when the same loop reads them through th.
+__device__ __forceinline__ void copy_x(unsigned char* xs, const uint4* src, const Geometry& q, const AllThreads&) {
+  uint4* dst = reinterpret_cast<uint4*>(xs);
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 8); c += blockDim.x) dst[c + c / 4] = src[c];
+}
+__device__ __forceinline__ void copy_x(unsigned char* xs, const uint4* src, const Geometry& q, const SomeThreads& th) {
+  uint4* dst = reinterpret_cast<uint4*>(xs);
+  for (int c = th.i; c < q.ng * (NQ_GROUP_SIZE / 8); c += th.n) dst[c + c / 4] = src[c];
+}
+template <class Threads>
+__device__ __forceinline__ void stage_x(unsigned char* xs, const half* __restrict__ x, const Geometry& q,
+                                        const Threads& th) {
   const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)q.gs * NQ_GROUP_SIZE);
 #if NQ_GEMV_FOLD
-  stage_fold(xs, q, [&](int c) { return src[c]; });
+  stage_fold(xs, q, [&](int c) { return src[c]; }, th);
 #else
-  uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = q.stid; c < q.ng * (NQ_GROUP_SIZE / 8); c += q.sthreads) dst[c + c / 4] = src[c];
+  copy_x(xs, src, q, th);
 #endif
 }
 
@@ -350,8 +372,9 @@ __device__ __forceinline__ float silu_mul(half g, half u) {
 }
 
 // SwiGLU: act = fp16(silu(g) * u) for the CTA's range, g = gate_up[k], u = gate_up[K + k].
+template <class Threads>
 __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __restrict__ gate_up,
-                                             const Geometry& q) {
+                                             const Geometry& q, const Threads& th) {
   const uint4* gsrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.gs * NQ_GROUP_SIZE);
   const uint4* usrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.K + (size_t)q.gs * NQ_GROUP_SIZE);
   auto act = [&](int c) {
@@ -365,10 +388,10 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
     return av;
   };
 #if NQ_GEMV_FOLD
-  stage_fold(xs, q, act);   // the sums are of the fp16-rounded act, the values the MMA reads
+  stage_fold(xs, q, act, th);   // the sums are of the fp16-rounded act, the values the MMA reads
 #else
   uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = q.stid; c < q.ng * (NQ_GROUP_SIZE / 8); c += q.sthreads) dst[c + c / 4] = act(c);
+  for (int c = th.tid(); c < q.ng * (NQ_GROUP_SIZE / 8); c += th.count()) dst[c + c / 4] = act(c);
 #endif
 }
 // [/swiglu]
@@ -377,7 +400,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
 __device__ __forceinline__ void stage_xq(unsigned char* xs, const int8_t* __restrict__ xq, const Geometry& q) {
   const uint4* src = reinterpret_cast<const uint4*>(xq + (size_t)q.gs * NQ_GROUP_SIZE);
   uint4* dst = reinterpret_cast<uint4*>(xs);
-  for (int c = q.stid; c < q.ng * (NQ_GROUP_SIZE / 16); c += q.sthreads) dst[c] = src[c];
+  for (int c = threadIdx.x; c < q.ng * (NQ_GROUP_SIZE / 16); c += blockDim.x) dst[c] = src[c];
 }
 
 // ---- the body shared by the three GEMVs ------------------------------------------------
@@ -411,7 +434,6 @@ __device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __
   q.gs = (int)((long long)blockIdx.y * q.G / e.ksplit);
   q.ng = (int)((long long)(blockIdx.y + 1) * q.G / e.ksplit) - q.gs;
   q.lane = threadIdx.x & 31; q.warp = threadIdx.x >> 5; q.g = q.lane >> 2; q.t = q.lane & 3;
-  q.stid = threadIdx.x; q.sthreads = blockDim.x;
 
   // Local groups of this warp: warp, warp + kWarps, ...; batches of kUnroll of them.
   const int mine = q.warp < q.ng ? (q.ng - q.warp + kWarps - 1) / kWarps : 0;
@@ -503,10 +525,15 @@ __device__ __forceinline__ void gemv_body(const Stage& stage, const uint32_t* __
   if (tid == 0) e.counters[blockIdx.x] = 0;   // ready for the next launch
 }
 
+// The staging of each path: by all threads of the CTA, or (bulk) by the threads named.
 struct StageX { const half* x;
-  __device__ void operator()(unsigned char* xs, const Geometry& q) const { stage_x(xs, x, q); } };
+  template <class Threads = AllThreads>
+  __device__ void operator()(unsigned char* xs, const Geometry& q, const Threads& th = Threads()) const {
+    stage_x(xs, x, q, th); } };
 struct StageSwiglu { const half* gate_up;
-  __device__ void operator()(unsigned char* xs, const Geometry& q) const { stage_swiglu(xs, gate_up, q); } };
+  template <class Threads = AllThreads>
+  __device__ void operator()(unsigned char* xs, const Geometry& q, const Threads& th = Threads()) const {
+    stage_swiglu(xs, gate_up, q, th); } };
 struct StageXq { const int8_t* xq;
   __device__ void operator()(unsigned char* xs, const Geometry& q) const { stage_xq(xs, xq, q); } };
 
@@ -584,7 +611,6 @@ __device__ __forceinline__ void gemv_stream_body(const Stage& stage, const uint3
   Geometry q;
   q.N = N; q.K = K; q.G = K / NQ_GROUP_SIZE; q.KW = K / 8; q.row0 = 0; q.gs = 0; q.ng = q.G;
   q.lane = threadIdx.x & 31; q.warp = threadIdx.x >> 5; q.g = q.lane >> 2; q.t = q.lane & 3;
-  q.stid = threadIdx.x; q.sthreads = blockDim.x;
   const int tiles = (N + 15) / 16;
   StreamGrid sg{(long long)tiles * q.G, (int)gridDim.x * kStreamWarps};
   const int w = blockIdx.x * kStreamWarps + q.warp;
@@ -740,8 +766,7 @@ __device__ __forceinline__ void gemv_bulk_body(const Stage& stage, const uint32_
   Geometry q;                    // staging covers all of K, with the consumer threads only
   q.N = N; q.K = K; q.G = G; q.KW = KW; q.row0 = 0; q.gs = 0; q.ng = G;
   q.lane = lane; q.warp = cw; q.g = lane >> 2; q.t = lane & 3;
-  q.stid = ct; q.sthreads = kBulkConsumers;
-  stage(xs, q);                  // the producer's first copies are in flight meanwhile
+  stage(xs, q, SomeThreads{ct, kBulkConsumers});   // the producer's first copies are in flight meanwhile
   // An item's scales: sc[buf][r * kBulkMaxItemGroups + i] = scales[row r of the tile][gs + i].
   half pre[kBulkScaleRegs];
   auto load_scales = [&](int item) {

@@ -1,0 +1,97 @@
+"""Did the code the GPU runs change since a commit? Compares, on the CPU, the SASS of every
+kernel in each kernels/*.cu that differs from REV (or includes a header that does), built
+for sm_90 exactly as the runtime builds it, for the configurations the 7B engine launches.
+
+    python tools/sass_diff.py REV
+
+Label numbers and internal call names are normalized (they shift when other kernels are
+added to a module). Exit status 0 when every compared kernel is identical, 1 otherwise.
+A kernel that exists only in the working tree is listed as new, not as a difference. The
+use: a GPU run verified REV; a later commit that leaves the engine's SASS identical has
+not changed what that run verified.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def configs(module: str) -> list[dict]:
+    """The -D sets the 7B engine builds a module with: the defaults, and for the INT4 GEMV
+    every tuned-table entry and the fallback."""
+    if module != "gemv_int4":
+        return [{}]
+    from nanoqwen_lib import ops_gemv
+    out = [dict(ops_gemv.GEMV_TUNING), {**ops_gemv.GEMV_TUNING, **ops_gemv.GEMV_FALLBACK}]
+    for tuning, _ in ops_gemv.tuned_table().values():
+        out.append({**ops_gemv.GEMV_TUNING, **tuning})
+    return [dict(t) for t in {tuple(sorted(c.items())) for c in out}]
+
+
+def dump(modules: list[str], config_source: dict) -> dict:
+    """{module|config|kernel: [normalized instructions]} of this checkout (sys.path[0])."""
+    from nanoqwen_lib import config, cuda_build
+    dims = config.load().model("7b")
+    out = {}
+    for module in modules:
+        for cfg in config_source[module]:
+            text = cuda_build.sass(module, dims, {k: str(v) for k, v in cfg.items()})
+            for m in re.finditer(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\n\s*//-+ \.|\Z)", text, re.S):
+                ins = [re.sub(r"__internal_\d+_", "__internal_",
+                              re.sub(r"\.L_x_\d+", ".L", re.sub(r"/\*[0-9a-f]{4,}\*/", "", line))).strip()
+                       for line in m.group(2).splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+                out[f"{module}|{json.dumps(cfg, sort_keys=True)}|{m.group(1)}"] = ins
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--dump":          # run inside REV's checkout
+        sys.path.insert(0, str(Path.cwd()))
+        args = json.loads(Path(sys.argv[2]).read_text())
+        Path(sys.argv[3]).write_text(json.dumps(dump(args["modules"], args["configs"])))
+        return 0
+    rev = sys.argv[1]
+    changed = subprocess.run(["git", "diff", "--name-only", rev, "--", "kernels"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    headers = {Path(p).name for p in changed if p.endswith(".cuh")}
+    modules = sorted({Path(p).stem for p in changed if p.endswith(".cu")}
+                     | {f.stem for f in (ROOT / "kernels").glob("*.cu")
+                        if any(f'"{h}"' in f.read_text() for h in headers)})
+    if not modules:
+        print(f"no kernel source differs from {rev}")
+        return 0
+    sys.path.insert(0, str(ROOT))
+    cfgs = {m: configs(m) for m in modules}
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "rev"
+        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree), rev], cwd=ROOT, check=True)
+        try:
+            (Path(tmp) / "args.json").write_text(json.dumps({"modules": modules, "configs": cfgs}))
+            subprocess.run([sys.executable, str(ROOT / "tools" / "sass_diff.py"), "--dump",
+                            str(Path(tmp) / "args.json"), str(Path(tmp) / "old.json")], cwd=tree, check=True,
+                           env={"PYTHONPATH": str(tree), **{k: v for k, v in __import__("os").environ.items()
+                                                             if k != "PYTHONPATH"}})
+            old = json.loads((Path(tmp) / "old.json").read_text())
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
+    new = dump(modules, cfgs)
+    differ = 0
+    for key in sorted(new):
+        if key not in old:
+            print(f"new        {key}")
+        elif old[key] == new[key]:
+            print(f"identical  {key}  ({len(new[key])} instructions)")
+        else:
+            differ += 1
+            print(f"DIFFERENT  {key}  ({len(old[key])} -> {len(new[key])} instructions)")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
