@@ -116,11 +116,13 @@ def swiglu(gate_up, rnd=round_fp16):
     return rnd(g / (1.0 + xp.exp(-g)) * u)
 
 
-def attention_prefill(q, k, v, rnd=round_fp16):
+def attention_prefill(q, k, v, rnd=round_fp16, hidden=None):
     """Causal GQA attention. q [T, heads, d]; k, v [ctx, kv_heads, d], ctx >= T; all fp32.
 
     The T queries are the last T positions of the context: query i sees keys
-    0 .. ctx-T+i. Query head h reads KV head h // (heads / kv_heads). -> rnd(out) [T, heads, d]."""
+    0 .. ctx-T+i. Query head h reads KV head h // (heads / kv_heads). -> rnd(out) [T, heads, d].
+    hidden [T, ctx] bool, when given, replaces the causal mask (True: the key is not seen),
+    e.g. for several sequences' tokens side by side (ReferenceModel.decode_batch)."""
     xp = array_module(q)
     T, heads, d = q.shape
     ctx, kv_heads, _ = k.shape
@@ -128,7 +130,7 @@ def attention_prefill(q, k, v, rnd=round_fp16):
     qg = q.reshape(T, kv_heads, group, d).transpose(1, 2, 0, 3)      # [kv, group, T, d]
     kt = k.transpose(1, 2, 0)[:, None]                               # [kv, 1, d, ctx]
     scores = (qg @ kt) * (d ** -0.5)                                 # [kv, group, T, ctx]
-    future = xp.arange(ctx)[None, :] > (ctx - T + xp.arange(T))[:, None]
+    future = xp.arange(ctx)[None, :] > (ctx - T + xp.arange(T))[:, None] if hidden is None else hidden
     scores = xp.where(future, -xp.inf, scores)
     p = xp.exp(scores - scores.max(axis=-1, keepdims=True))
     p = p / p.sum(axis=-1, keepdims=True)
@@ -178,23 +180,27 @@ def load_layer_weights(tensors, i, xp=np) -> LayerWeights:
     )
 
 
-def decoder_layer(x, w: LayerWeights, k_past, v_past, dims, rnd=round_fp16, act_q=None):
+def decoder_layer(x, w: LayerWeights, k_past, v_past, dims, rnd=round_fp16, act_q=None,
+                  positions=None, hidden=None):
     """x [T, hidden] fp32 at positions P..P+T-1; k_past, v_past [P, kv_heads, d] fp32.
 
     -> (x_new [T, hidden], k_new [T, kv_heads, d], v_new [T, kv_heads, d]), all rounded
     by rnd; k_new (after RoPE) and v_new are what the cache stores. act_q, when given, is
-    applied to the input of each of the four projections (the FP8 prefill: quant.fp8_rows)."""
+    applied to the input of each of the four projections (the FP8 prefill: quant.fp8_rows).
+    positions [T] and hidden [T, P + T] (attention_prefill) replace P..P+T-1 and the causal
+    mask when the rows are tokens of different sequences (ReferenceModel.decode_batch)."""
     xp = array_module(x)
     aq = act_q or keep_fp32
     T, P, d = x.shape[0], k_past.shape[0], dims.head_dim
+    positions = xp.arange(P, P + T) if positions is None else positions
     y = rmsnorm(x, w.input_norm, dims.rms_eps, xp, rnd)
     qkv = linear(aq(y), w.w_qkv, w.b_qkv, rnd=rnd)
     q = qkv[:, :dims.q_dim].reshape(T, dims.num_heads, d)
     k = qkv[:, dims.q_dim:dims.q_dim + dims.kv_dim].reshape(T, dims.num_kv_heads, d)
     v = qkv[:, dims.q_dim + dims.kv_dim:].reshape(T, dims.num_kv_heads, d)
-    cos, sin = rope_tables(xp.arange(P, P + T), d, dims.rope_theta, xp)
+    cos, sin = rope_tables(positions, d, dims.rope_theta, xp)
     q, k = rnd(apply_rope(q, cos, sin)), rnd(apply_rope(k, cos, sin))
-    a = attention_prefill(q, xp.concatenate([k_past, k]), xp.concatenate([v_past, v]), rnd)
+    a = attention_prefill(q, xp.concatenate([k_past, k]), xp.concatenate([v_past, v]), rnd, hidden)
     x = linear(aq(a.reshape(T, dims.q_dim)), w.w_o, residual=x, rnd=rnd)
     y = rmsnorm(x, w.post_norm, dims.rms_eps, xp, rnd)
     act = swiglu(linear(aq(y), w.w_gate_up, rnd=rnd), rnd)
@@ -298,6 +304,51 @@ class ReferenceModel:
     def decode(self, token_id, cache: KVCache):
         """One token at position cache.length -> logits float32 [vocab]."""
         return self.forward([int(token_id)], cache)[0]
+
+    def decode_batch(self, token_ids, caches: list):
+        """One token for each of B sequences, token_ids[b] at position caches[b].length ->
+        logits float32 [B, vocab]; each cache gets its position. The B rows go through each
+        projection as one matrix (the weights are read once per step for all of them), and
+        through attention side by side over the concatenated caches, each row masked to its
+        own sequence: the same arithmetic and rounding points as B calls of decode, summed
+        in another order (a matrix product, not B vector products), so the logits differ
+        by noise of the engine's kind (~5e-4 relative on tiny)."""
+        xp, B = self.xp, len(caches)
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if ids.size != B or ids.min() < 0 or ids.max() >= self.dims.vocab:
+            raise LimitError("<arguments>", "token ids", f"{B} ids in [0, {self.dims.vocab})", ids.tolist())
+        lengths = np.array([c.length for c in caches])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        ctx = int(lengths.sum()) + B
+        seen = np.zeros((B, ctx), bool)                      # row b: its own past, then its own new token
+        for b in range(B):
+            seen[b, starts[b]:starts[b] + lengths[b]] = True
+            seen[b, ctx - B + b] = True
+        hidden, positions = xp.asarray(~seen), xp.asarray(lengths)
+        x = self.embed[xp.asarray(ids)].astype("float32")                      # [B, hidden]
+        for i, w in enumerate(self.layers):
+            pasts = [c.past(i) for c in caches]
+            x, k, v = decoder_layer(x, w, xp.concatenate([p[0] for p in pasts]), xp.concatenate([p[1] for p in pasts]),
+                                    self.dims, self.rnd, positions=positions, hidden=hidden)
+            for b, c in enumerate(caches):
+                c.write(i, k[b:b + 1], v[b:b + 1])
+        for c in caches:
+            c.length += 1
+        return final_logits(x, self.norm, self.lm_head, self.dims.rms_eps, xp, self.rnd)
+
+    def greedy_steps_batch(self, prompts, max_new_tokens):
+        """greedy_steps for several prompts at once: yields logits [B, vocab] per step. Each
+        prompt is prefilled alone; the decode steps go through decode_batch."""
+        caches, last = [], []
+        for p in prompts:
+            logits, cache = self.prefill(p)
+            caches.append(cache)
+            last.append(logits[-1])
+        logits = self.xp.stack(last)
+        for step in range(max_new_tokens):
+            yield logits
+            if step + 1 < max_new_tokens:
+                logits = self.decode_batch([argmax_and_gap(row)[0] for row in logits], caches)
 
     def greedy_steps(self, prompt_ids, max_new_tokens):
         """Yields the logits (float32 [vocab]) of each of max_new_tokens greedy steps; the

@@ -133,20 +133,41 @@ class ForcedAgreement:
         return s
 
 
-def teacher_forced(candidate, reference, prompts, new_tokens: int):
-    """The reference's greedy decode and the candidate, in lockstep: after each step the
+def reference_streams(reference, prompts, new_tokens: int, batch: int = 1):
+    """(k, prompt, the reference's logits step by step) for each prompt. batch 1: the
+    reference steps lazily, prompt by prompt (greedy_steps). batch B > 1, for a reference
+    with greedy_steps_batch (ReferenceModel): B prompts decode at once, each step one
+    matrix through the weights instead of one row per prompt, and the chunk's logits are
+    kept (B x new_tokens x vocab fp32) until the candidate has been compared. The batched
+    reference sums in another order than the one-row one, so its logits differ from it by
+    noise of the engine's kind (tests/test_reference.py); the near-tie line was measured
+    against batch 1 (nanoqwen.yaml)."""
+    if batch <= 1 or not hasattr(reference, "greedy_steps_batch"):
+        for k, p in enumerate(prompts):
+            yield k, list(p), reference.greedy_steps(list(p), new_tokens)
+        return
+    for start in range(0, len(prompts), batch):
+        chunk = [list(p) for p in prompts[start:start + batch]]
+        steps = list(reference.greedy_steps_batch(chunk, new_tokens))        # new_tokens x [B, vocab]
+        for b, p in enumerate(chunk):
+            yield start + b, p, (step[b] for step in steps)
+
+
+def teacher_forced(candidate, reference, prompts, new_tokens: int, batch: int = 1):
+    """The reference's greedy decode and the candidate, step for step: after each step the
     candidate is fed the reference's token (`force`; GpuBackend.force replays the graph).
     candidate: prefill(ids) -> token, force(token) -> token, optionally logits() -> the
-    last step's logits; reference: greedy_steps(ids, n) -> logits per step (ReferenceModel).
-    Returns (ForcedAgreement, refs): refs[k] = the reference's (ids, top-2 gaps) on prompt
-    k, the same as reference.greedy, for greedy_agreement."""
+    last step's logits; reference: greedy_steps(ids, n) -> logits per step, and optionally
+    greedy_steps_batch (reference_streams). Returns (ForcedAgreement, refs): refs[k] =
+    the reference's (ids, top-2 gaps) on prompt k, the same as reference.greedy, for
+    greedy_agreement."""
     near = load().validation.near_tie_logit_gap
-    a, refs = ForcedAgreement(), []
+    a, refs = ForcedAgreement(), [None] * len(prompts)
     show = getattr(candidate, "logits", None)
-    for k, p in enumerate(prompts):
+    for k, p, stream in reference_streams(reference, prompts, new_tokens, batch):
         ids, gaps = [], []
-        for i, r in enumerate(reference.greedy_steps(list(p), new_tokens)):
-            got = candidate.prefill(list(p)) if i == 0 else candidate.force(ids[-1])
+        for i, r in enumerate(stream):
+            got = candidate.prefill(p) if i == 0 else candidate.force(ids[-1])
             best, second = top2(r)
             gap = float(r[best] - r[second])
             ids.append(best)
@@ -162,7 +183,7 @@ def teacher_forced(candidate, reference, prompts, new_tokens: int):
                 e = show()
                 a.logit_err.append(float(abs(e - r).max()))
                 a.gap_err.append(float(e[best] - e[second]) - gap)
-        refs.append((ids, gaps))
+        refs[k] = (ids, gaps)
     return a, refs
 
 
@@ -178,7 +199,7 @@ def run_pytest(args, progress=print) -> bool:
 
 
 def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = None,
-               stages=("unit", "layer", "graph"), progress=print) -> dict:
+               stages=("unit", "layer", "graph"), progress=print, reference_batch: int = 1) -> dict:
     """The ladder on the GPU; stops at the first failing stage. Returns what each stage saw."""
     import cupy as cp
 
@@ -197,7 +218,7 @@ def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = Non
             n = new_tokens or v.graph_gen_tokens
             engine = gpu_backend(nq_file, max_tokens=max(map(len, ps)) + n + 16)
             reference = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
-            f, refs = teacher_forced(engine, reference, ps, n)
+            f, refs = teacher_forced(engine, reference, ps, n, batch=reference_batch)
             progress(f.summary())
             a = greedy_agreement(engine, reference, ps, n, refs)
             progress(a.summary())

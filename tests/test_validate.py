@@ -139,3 +139,27 @@ def test_a_large_logit_error_fails_whatever_the_tokens():
     cand.logits = lambda: ref.step_logits(next(step)) + 2 * V.logit_err_max
     a, _ = teacher_forced(cand, ref, [[5]], 4)
     assert a.identical == 4 and not a.logit_error_ok()
+
+
+def test_batched_reference_streams_match_the_lazy_ones():
+    """reference_streams with batch > 1 hands each prompt the same steps, in prompt order,
+    as the prompt-by-prompt path (a scripted reference with greedy_steps_batch)."""
+    from nanoqwen_lib.validate import reference_streams
+
+    class Batched(Scripted):
+        def greedy_steps_batch(self, prompts, n):
+            for i in range(n):
+                yield np.stack([self.step_logits(i) + len(p) for p in prompts])
+
+        def greedy_steps(self, prompt, n):
+            for i in range(n):
+                yield self.step_logits(i) + len(prompt)
+
+    ref = Batched(list(range(6)), [1.0] * 6)
+    prompts = [[1], [1, 2], [1, 2, 3], [4] * 4, [5] * 5]
+    lazy = [(k, p, [r.copy() for r in s]) for k, p, s in reference_streams(ref, prompts, 6, batch=1)]
+    for batch in (2, 5, 8):
+        got = [(k, p, list(s)) for k, p, s in reference_streams(ref, prompts, 6, batch=batch)]
+        assert [(k, p) for k, p, _ in got] == [(k, p) for k, p, _ in lazy]
+        for (_, _, a), (_, _, b) in zip(got, lazy):
+            assert all(np.array_equal(x, y) for x, y in zip(a, b)) and len(a) == len(b) == 6

@@ -47,10 +47,11 @@ for what in "$@"; do
       done
       tar czf $OUT/gpu-notebooks.tgz book/*.ipynb ;;
     validate-7b)
-      # The graph stage on the 7B: VALIDATE_PROMPTS prompts (default all 100); the full JSON comes back.
+      # The graph stage on the 7B: VALIDATE_PROMPTS prompts (default all 100), the reference decoding
+      # VALIDATE_BATCH prompts at once (default 1, prompt by prompt); the full JSON comes back.
       f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b'))")
       t0=$(date +%s)
-      python3 -m nanoqwen_lib validate "$f" --no-verify --stages graph ${VALIDATE_PROMPTS:+--prompts $VALIDATE_PROMPTS} \
+      python3 -m nanoqwen_lib validate "$f" --no-verify --stages graph ${VALIDATE_PROMPTS:+--prompts $VALIDATE_PROMPTS} ${VALIDATE_BATCH:+--reference-batch $VALIDATE_BATCH} \
         --json $OUT/validate-7b.json 2>&1 | tee $OUT/validate-7b.log | tail -4
       echo "validate-7b: $(( $(date +%s) - t0 )) s" ;;
     validate-tiny)
