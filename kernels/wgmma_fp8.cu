@@ -21,7 +21,20 @@
 // so the core matrix next along K is 128 bytes away (the descriptor's leading-dimension
 // byte offset, LBO) and the next 8-row group is 1024 bytes away (stride byte offset, SBO).
 // One wgmma (k32) reads two core matrices along K: the k-step s starts at byte 256 s.
+//
+// Promotion (v1a.1). On the H200 (5bcd157) v1a's layout was right, but ~0.1% of outputs
+// missed the FP32-sum bound by up to ~1%: the FP8 wgmma accumulator keeps fewer bits than
+// FP32 (about 14, by DeepSeek-V3's report). So the tensor core accumulates only
+// NQ_WGMMA_PROMOTE_K bytes of k into a fresh fragment, which FP32 FADDs then add into the
+// running sum. 32 (every wgmma; the most accurate, one wait per wgmma) or 128 (every chunk,
+// DeepSeek's interval). Not yet run on a GPU.
+// nq-variants: NQ_WGMMA_PROMOTE_K=128
 #include "fp8.cuh"
+
+#ifndef NQ_WGMMA_PROMOTE_K
+#define NQ_WGMMA_PROMOTE_K 32
+#endif
+static_assert(NQ_WGMMA_PROMOTE_K == 32 || NQ_WGMMA_PROMOTE_K == 128, "promote every wgmma or every chunk");
 
 namespace nqw {
 constexpr int kBM = 64, kBN = 64, kBK = 128;   // tile: tokens x features x bytes of k
@@ -87,13 +100,22 @@ nq_gemm_fp8_wgmma(const unsigned char* __restrict__ xq, const float* __restrict_
     // The generic-proxy stores above must be visible to wgmma's async proxy.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();   // all 128 threads: both chunks are in shared memory
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    // [promote]
+    constexpr int kSteps = NQ_WGMMA_PROMOTE_K / 32;          // wgmma k-steps per promotion
 #pragma unroll
-    for (int s = 0; s < kBK / 32; ++s)
-      wgmma_m64n64k32(d, desc(as + 256 * s), desc(bs + 256 * s), (k0 > 0 || s > 0) ? 1 : 0);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    __syncthreads();   // all 128 threads: the wgmma group has read the chunks before they are overwritten
+    for (int s0 = 0; s0 < kBK / 32; s0 += kSteps) {
+      float part[32];                                        // the tensor core's short sum
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int s = s0; s < s0 + kSteps; ++s)
+        wgmma_m64n64k32(part, desc(as + 256 * s), desc(bs + 256 * s), s > s0 ? 1 : 0);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < 32; ++i) d[i] += part[i];         // FP32, in registers
+    }
+    // [/promote]
+    __syncthreads();   // all 128 threads: the wgmma groups have read the chunks before they are overwritten
   }
   // Epilogue: D fragment of m64n64 (see wgmma_m64n64k32).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
