@@ -287,19 +287,22 @@ class GpuBackend:
             self.graphs[new_page].upload(self.stream)
         self.reset()
 
-    def launch_step(self, token: int | None = None) -> None:
-        """Enqueue one step at self.position: eagerly (writing `token` first when given, as
-        the prompt does) or, once graphs exist and no token is given, as a graph replay."""
+    def launch_step(self, token: int | None = None, replay: bool | None = None) -> None:
+        """Enqueue one step at self.position. token, when given, is written into the device
+        scalar first (the prompt, teacher forcing); replay picks the captured graph over the
+        eager launches: by default when graphs exist and no token is given (the argmax of
+        the previous step is the input), replay=True also with a token (GpuBackend.force)."""
         if self.position >= self.max_tokens:
             raise LimitError("<generate>", "sequence length", f"<= {self.max_tokens} tokens (KV pool)",
                              self.position + 1)
         new_page = self.position % KV.page_tokens == 0
-        if token is None and self.graphs is not None and self.use_graphs:
+        graphs = self.graphs is not None and self.use_graphs
+        if token is not None:
+            self.write_token(token)                   # on self.stream, before the step reads it
+        if graphs and (token is None if replay is None else replay):
             self.graphs[new_page].launch(self.stream)
         else:
             with self.stream:
-                if token is not None:
-                    self.write_token(token)
                 self.enqueue_step(new_page)
         self.position += 1
 
@@ -383,13 +386,9 @@ class GpuBackend:
 
     def force(self, token: int) -> int:
         """One step on `token` given by the host, whatever the argmax before it was (teacher
-        forcing: validate.teacher_forced). With graphs, the token is written into the device
-        scalar (on the stream, before the replay reads it) and the step is the graph replay."""
-        if self.graphs is not None and self.use_graphs and self.position < self.max_tokens:
-            self.write_token(int(token))
-            self.launch_step(None)
-        else:
-            self.launch_step(int(token))
+        forcing: validate.teacher_forced): the token goes into the device scalar, on the
+        stream, and the step is the graph replay (eager without graphs)."""
+        self.launch_step(int(token), replay=True)
         return self.token_at(self.position - 1)
 
     def logits(self):

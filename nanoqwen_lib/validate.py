@@ -187,10 +187,6 @@ def teacher_forced(candidate, reference, prompts, new_tokens: int, batch: int = 
     return a, refs
 
 
-def forced_agreement(candidate, reference, prompts, new_tokens: int) -> ForcedAgreement:
-    return teacher_forced(candidate, reference, prompts, new_tokens)[0]
-
-
 def run_pytest(args, progress=print) -> bool:
     """One stage's GPU tests, from the checkout (they are not part of the installed package)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *args]

@@ -79,3 +79,43 @@ def test_each_engine_names_its_own_prefill_gemms():
         eng = object.__new__(cls)
         eng.prefill_mode, eng.chunk = "tensor-core", 512
         assert eng.prefill_kind.startswith(word) and "512" in eng.prefill_kind
+
+
+def test_launch_step_chooses_replay_or_eager_and_writes_the_token_first():
+    """GpuBackend.launch_step's dispatch, with stand-ins for the stream and the graphs:
+    decode replays when graphs exist, the prompt's tokens run eagerly, force() writes the
+    token and replays; without graphs everything is eager; the KV pool's limit is checked
+    before anything is enqueued."""
+    import contextlib
+
+    from nanoqwen_lib.engine import GpuBackend
+    from nanoqwen_lib.errors import LimitError
+
+    log = []
+
+    class Graph:
+        def __init__(self, new_page):
+            self.new_page = new_page
+
+        def launch(self, stream):
+            log.append(("replay", self.new_page))
+
+    eng = object.__new__(GpuBackend)
+    eng.position, eng.max_tokens, eng.use_graphs = 15, 18, True
+    eng.graphs = {False: Graph(False), True: Graph(True)}
+    eng.stream = contextlib.nullcontext()
+    eng.write_token = lambda t: log.append(("token", t))
+    eng.enqueue_step = lambda new_page: log.append(("eager", new_page))
+    eng.token_at = lambda position: position
+    eng.launch_step(7)                       # a prompt token: eager
+    eng.launch_step()                        # decode: the graph of a page boundary (position 16)
+    assert eng.force(9) == 17                # teacher forcing: token, then the replay
+    assert log == [("token", 7), ("eager", False), ("replay", True), ("token", 9), ("replay", False)]
+    with pytest.raises(LimitError, match="sequence length"):
+        eng.force(3)
+    assert eng.position == 18 and len(log) == 5      # refused before anything was enqueued
+    log.clear()
+    eng.position, eng.use_graphs = 0, False
+    eng.force(4)
+    eng.launch_step(5)
+    assert log == [("token", 4), ("eager", True), ("token", 5), ("eager", False)]

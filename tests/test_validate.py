@@ -3,7 +3,7 @@ diverge where the reference was sure."""
 import numpy as np
 
 from nanoqwen_lib.config import load
-from nanoqwen_lib.validate import forced_agreement, greedy_agreement, teacher_forced, validation_prompts
+from nanoqwen_lib.validate import greedy_agreement, teacher_forced, validation_prompts
 
 V = load().validation
 
@@ -99,7 +99,7 @@ def test_forced_mismatch_costs_one_token_and_feeds_the_reference():
     got = list(range(10))
     got[3], got[6] = 99, 98                       # one confident mismatch, one at a near-tie
     cand = Forced(got)
-    a = forced_agreement(cand, ref, [[5]], 10)
+    a, _ = teacher_forced(cand, ref, [[5]], 10)
     assert cand.fed == list(range(9))              # always the reference's previous token
     assert (a.tokens, a.identical, a.near_tie_mismatches) == (10, 8, 1)
     assert np.isclose(a.match, 8 / 9) and a.mismatches == [(0, 3, 1.0), (0, 6, np.float32(gaps[6]))]
