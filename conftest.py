@@ -1,9 +1,10 @@
 """Repository-wide pytest hooks: one set of goldens, two machines.
 
 * The chapters' .ipynb hold the outputs of an H200 run. `pytest --nbval book/` re-runs
-  them. A cell tagged `gpu` prints something that depends on the GPU (a kernel's timing, a
-  device name, an H200 measurement): without a GPU it still executes (the chapter takes
-  its reference path, deciding with `cuda_build.have_gpu()`), but its output is not
+  them. A cell tagged `gpu` prints something that depends on the GPU machine (a kernel's
+  timing, a device name, an H200 measurement, or what its libraries compute: NVRTC's SASS,
+  BLAS's summation order under a near-tie): without a GPU it still executes (the chapter
+  takes its reference path, deciding with `cuda_build.have_gpu()`), but its output is not
   compared with the H200's.
 * A test marked `@pytest.mark.gpu` is skipped without a GPU.
 * The notebook kernels nbval starts import `nanoqwen_lib` from this checkout, installed

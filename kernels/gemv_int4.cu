@@ -682,9 +682,22 @@ __device__ __forceinline__ void gemv_stream_body(const Stage& stage, const uint3
 #ifndef NQ_BULK_MAX_ITEM_GROUPS
 #define NQ_BULK_MAX_ITEM_GROUPS 40
 #endif
+#ifndef NQ_BULK_CONSUMER_WARPS
+#define NQ_BULK_CONSUMER_WARPS 4
+#endif
+// NQ_BULK_COPY_ONLY 1 is a measurement, not a kernel: the consumers wait for each stage and
+// release it without reading it, so the launch times the copy path alone (its roofline) and
+// its outputs are meaningless. tools/bench_gemv.py labels it so; nothing else builds it.
+// NQ_BULK_WAIT_NS > 0: the ring's waits carry that suspend-time hint (mbar_wait_suspend).
+#ifndef NQ_BULK_WAIT_NS
+#define NQ_BULK_WAIT_NS 0
+#endif
+#ifndef NQ_BULK_COPY_ONLY
+#define NQ_BULK_COPY_ONLY 0
+#endif
 constexpr int kBulkStages = NQ_BULK_STAGES;
 constexpr int kBulkGroups = NQ_BULK_GROUPS;                 // groups per stage
-constexpr int kBulkConsumerWarps = 4;
+constexpr int kBulkConsumerWarps = NQ_BULK_CONSUMER_WARPS;
 constexpr int kBulkConsumers = 32 * kBulkConsumerWarps;
 constexpr int kBulkThreads = 32 + kBulkConsumers;
 // A stage row is kBulkGroups * 64 bytes, padded to an odd multiple of 64: lane (g, t) reads
@@ -697,8 +710,14 @@ constexpr int kBulkScaleHalves = 16 * kBulkMaxItemGroups;  // one item's scales
 constexpr int kBulkScaleRegs = (kBulkScaleHalves + kBulkConsumers - 1) / kBulkConsumers;
 static_assert(kBulkGroups >= 1 && kBulkGroups <= 16, "1..16 groups per stage");
 static_assert(kBulkStages >= 2 && kBulkStages <= 8, "2..8 stages");
+static_assert(kBulkConsumerWarps == 4 || kBulkConsumerWarps == 8, "4 or 8 consumer warps");
 static_assert(kBulkStageBytes % 128 == 0, "stages stay 128-byte aligned (bulk copies need 16)");
 static_assert(kBulkScaleHalves % 8 == 0, "the scale buffers keep x's 16-byte alignment");
+
+__device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
+  if (NQ_BULK_WAIT_NS > 0) mbar_wait_suspend(bar, parity, NQ_BULK_WAIT_NS);
+  else mbar_wait(bar, parity);
+}
 
 __device__ __forceinline__ void bulk_consumer_barrier() {   // named barrier 1: the consumers only
   asm volatile("bar.sync 1, %0;" :: "n"(kBulkConsumers) : "memory");
@@ -748,7 +767,7 @@ __device__ __forceinline__ void gemv_bulk_body(const Stage& stage, const uint32_
       const int row = min(w.tile * 16 + (lane & 15), N - 1);   // rows past N: copies of the last
       for (int j = 0; j < w.ng; j += kBulkGroups, ++it) {
         const int s = it % kBulkStages;
-        mbar_wait(&empty[s], ((it / kBulkStages) & 1) ^ 1);    // the first round passes at once
+        bulk_wait(&empty[s], ((it / kBulkStages) & 1) ^ 1);    // the first round passes at once
         const int nc = min(kBulkGroups, w.ng - j);
         if (lane == 0) mbar_arrive_expect_tx(&full[s], 16 * nc * 64);
         __syncwarp();
@@ -794,10 +813,10 @@ __device__ __forceinline__ void gemv_bulk_body(const Stage& stage, const uint32_
     float acc[1][2] = {{0.f, 0.f}};
     for (int j = 0; j < w.ng; j += kBulkGroups, ++it) {
       const int s = it % kBulkStages;
-      mbar_wait(&full[s], (it / kBulkStages) & 1);
+      bulk_wait(&full[s], (it / kBulkStages) & 1);
       const int nc = min(kBulkGroups, w.ng - j);
       const unsigned char* st = ring + s * kBulkStageBytes + q.t * 16;
-      for (int c = cw; c < nc; c += kBulkConsumerWarps) {    // warp-uniform
+      for (int c = cw; c < nc && !NQ_BULK_COPY_ONLY; c += kBulkConsumerWarps) {    // warp-uniform
         GroupRegs r;
         r.w[0][0] = *reinterpret_cast<const uint4*>(st + q.g * kBulkRowStride + c * 64);
         r.w[0][1] = *reinterpret_cast<const uint4*>(st + (q.g + 8) * kBulkRowStride + c * 64);

@@ -7,10 +7,11 @@
 
 gemm_fp8 has two kernels with one contract: "mma_sync" (fp8.cu, sm_90: ptxas emulates the
 E4M3 MMA with FP16 HMMA) and "wgmma" (wgmma_fp8.cu, sm_90a: Hopper's FP8 tensor cores,
-QGMMA). The default stays "mma_sync": on the H200 (5bcd157) the wgmma kernel's layout was
-right but ~0.1% of its outputs missed the FP32-sum bound by up to ~1% (the FP8 wgmma
-accumulator keeps fewer bits than FP32). v1a.1 promotes each wgmma's sum into FP32
-registers (NQ_WGMMA_PROMOTE_K); not yet run on a GPU.
+QGMMA). Both meet the same FP32-sum bound on the H200 (9542ec2): wgmma v1a.1 promotes each
+wgmma's sum into FP32 registers (NQ_WGMMA_PROMOTE_K), since the FP8 wgmma accumulator keeps
+fewer bits than FP32 (v1a, without it, missed the bound on ~0.1% of outputs). The default
+stays "mma_sync": wgmma v1a.1 (one warpgroup per 64 x 64 tile, no pipeline) is 1.26-1.37x
+slower at the 7B shapes, T = 512 (tools/bench_prefill.py --fp8; PERFLOG.md).
 
 codes uint8 [N, K] (E4M3, K contiguous) and scales fp32 [N] are a projection as the file
 stores it (quant.quantize_fp8_rowwise). Every argument is checked before a kernel sees it.

@@ -26,8 +26,8 @@ GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1,
                "NQ_GEMV_STREAM_WARPS": 16, "NQ_GEMV_STREAM_RING": 4}
 GEMV_IMPL = "tiles"             # "tiles": CTA per 16-row tile (+ split-K); "stream": persistent stream-K;
 GEMV_IMPLS = ("tiles", "stream", "bulk")   # "bulk": persistent, weights via cp.async.bulk (v5, not yet measured)
-BULK_TUNING = {"NQ_BULK_STAGES": 4, "NQ_BULK_GROUPS": 8, "NQ_BULK_MAX_ITEM_GROUPS": 40}
-BULK_THREADS = 160              # a producer warp + 4 consumer warps
+BULK_TUNING = {"NQ_BULK_STAGES": 4, "NQ_BULK_GROUPS": 8, "NQ_BULK_MAX_ITEM_GROUPS": 40,
+               "NQ_BULK_CONSUMER_WARPS": 4}   # a CTA: one producer warp + these consumer warps
 BULK_CTAS_PER_SM = 4            # at most; shared memory may allow fewer
 BULK_MIN_BALANCE = 0.9          # split K until the items spread this evenly over the CTAs
 SMEM_PER_SM = 233472            # H100 / H200: 228 KiB of shared memory per SM
@@ -255,7 +255,7 @@ def _launch_bulk(fn, kernel_name, act_args, qweight, scales, out, bias, residual
     kern = _gemv_kernel(kernel_name, t)
     smem = bulk_smem_bytes(k, t)
     kern.max_dynamic_shared_size_bytes = smem
-    kern((grid,), (BULK_THREADS,),
+    kern((grid,), (32 * (1 + t["NQ_BULK_CONSUMER_WARPS"]),),
          act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
                      np.int32(n), np.int32(k), np.int32(s)),
          shared_mem=smem)

@@ -35,7 +35,20 @@ STREAM_VARIANTS = (("16w x1", {}, 1), ("16w x1 ring8", {"NQ_GEMV_STREAM_RING": 8
 BULK_VARIANTS = (("bulk", {}), ("bulk FOLD", {"NQ_GEMV_FOLD": 1}),
                  ("bulk S6 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 6}),
                  ("bulk S8 G4 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 8, "NQ_BULK_GROUPS": 4}),
-                 ("bulk S3 G16 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 3, "NQ_BULK_GROUPS": 16}))
+                 ("bulk S3 G16 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 3, "NQ_BULK_GROUPS": 16}),
+                 ("bulk FOLD CW8", {"NQ_GEMV_FOLD": 1, "NQ_BULK_CONSUMER_WARPS": 8}),
+                 ("bulk S6 FOLD CW8", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 6, "NQ_BULK_CONSUMER_WARPS": 8}),
+                 ("bulk FOLD suspend", {"NQ_GEMV_FOLD": 1, "NQ_BULK_WAIT_NS": 10_000_000}),
+                 ("bulk S3 G16 FOLD suspend", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 3, "NQ_BULK_GROUPS": 16,
+                                               "NQ_BULK_WAIT_NS": 10_000_000}),
+                 ("bulk FOLD CW8 suspend", {"NQ_GEMV_FOLD": 1, "NQ_BULK_CONSUMER_WARPS": 8,
+                                            "NQ_BULK_WAIT_NS": 10_000_000}))
+# The copy path alone (NQ_BULK_COPY_ONLY: consumers release each stage unread; outputs meaningless):
+# what the producer and the copy engine can stream, the roofline of every bulk variant above.
+BULK_COPY_ONLY = (("bulk copy-only (roofline, no math)", {"NQ_BULK_COPY_ONLY": 1}),
+                  ("bulk copy-only S8 (roofline)", {"NQ_BULK_COPY_ONLY": 1, "NQ_BULK_STAGES": 8}),
+                  ("bulk copy-only S3 G16 (roofline)", {"NQ_BULK_COPY_ONLY": 1, "NQ_BULK_STAGES": 3,
+                                                        "NQ_BULK_GROUPS": 16}))
 VARIANTS = (("v1 guarded", {"NQ_GEMV_BRANCHLESS": 0}), ("U2", {"NQ_GEMV_UNROLL": 2}),
             ("W2", {"NQ_GEMV_WARPS": 2}), ("W8", {"NQ_GEMV_WARPS": 8}),
             ("W8 U2", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}), ("MT2 U2", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
@@ -76,7 +89,7 @@ def rotating(fn, copies):
     return call
 
 
-def bench_shape(name, n, k, ceiling, l2, quick):
+def bench_shape(name, n, k, ceiling, l2, quick, bulk_only=False):
     copies, wbytes = weight_copies(n, k, l2)
     epi = EPILOGUE[name]
     x = (cp.random.standard_normal(k) * 0.5).astype(cp.float16)
@@ -94,6 +107,11 @@ def bench_shape(name, n, k, ceiling, l2, quick):
         record(name, variant, t, nb, ceiling, **info)
 
     auto = ops_gemv.gemv_config("gemv_int4", n, k)[1]      # the launcher's own choice (tuned table)
+    if bulk_only:           # the tuned default against every bulk variant and the copy-only roofline
+        run("prmt-mma", lambda q, s: ops_gemv.gemv_int4(x, q, s, out, **kw), ksplit=auto)
+        for label, tv in BULK_VARIANTS + BULK_COPY_ONLY:
+            run(label, lambda q, s, t=tv: ops_gemv.gemv_int4(x, q, s, out, tuning=t, impl="bulk", **kw))
+        return
     t = timing.time_cuda(rotating(lambda q, s: ops_gemv.gemv_int4(x, q, s, out, **kw), copies),
                          **{**t_args, "graph": False})
     record(name, "prmt-mma eager (host-bound)", t, nbytes, ceiling, ksplit=auto)
@@ -216,6 +234,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--bulk-only", action="store_true", help="gate_up and down: the default, bulk variants, copy roofline")
     args = ap.parse_args()
     dev = cp.cuda.Device()
     l2 = dev.attributes["L2CacheSize"]
@@ -224,6 +243,14 @@ def main():
     print(f"device {cp.cuda.runtime.getDeviceProperties(dev.id)['name'].decode()}, {ops_gemv.num_sms()} SMs, "
           f"L2 {l2 >> 20} MiB; read ceiling {ceiling:.3f} TB/s ({ceil['bytes'] / 1e9:.1f} GB, "
           f"{ceil['median'] * 1e3:.0f} us)")
+    if args.bulk_only:
+        for name in ("gate_up", "down"):
+            bench_shape(name, *SHAPES[name], ceiling, l2, True, bulk_only=True)
+        for r in ROWS:
+            print(f"{r['shape']:8} {r['variant']:38} {r.get('ksplit', ''):>3} {r['us']:8.2f} {r['frac']:6.1%}")
+        if args.out:
+            Path(args.out).write_text(json.dumps({"ceiling_tbps": ceiling, "rows": ROWS}, indent=1))
+        return
     for name, (n, k) in SHAPES.items():
         bench_shape(name, n, k, ceiling, l2, args.quick)
     for impl in ("tiles", "stream"):

@@ -148,6 +148,35 @@ def bench_gemms(dims, t, rng, warmup, reps, only=None):
     return rows, best
 
 
+def bench_fp8_gemms(dims, t, rng, warmup, reps):
+    """The FP8 prefill GEMMs (issue 7) at the 7B shapes: the per-token E4M3 quantizer, then
+    gemm_fp8 on each implementation (mma_sync: FP16 HMMA after an unpack, as ptxas lowers E4M3
+    mma.sync on sm_90; wgmma: QGMMA on sm_90a). Weight bytes are one per weight."""
+    import cupy as cp
+    from nanoqwen_lib import ops_fp8
+    h, inter = dims.hidden, dims.intermediate
+    shapes = {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * inter, h), "down": (h, inter)}
+    rows = []
+    for proj, (n, k) in shapes.items():
+        codes = cp.asarray(rng.integers(0, 0x7F, size=(n, k), dtype=np.uint8) | (rng.integers(0, 2, size=(n, k),
+                           dtype=np.uint8) << 7))                  # every finite E4M3 code, both signs
+        scales = cp.asarray(rng.uniform(1e-4, 1e-3, n).astype(np.float32))
+        x = rand16(rng, (t, k))
+        xq, ts = cp.empty((t, k), cp.uint8), cp.empty(t, cp.float32)
+        out = rand16(rng, (t, n))
+        us_q = median_us(lambda: ops_fp8.quantize_rows_fp8(x, xq, ts), warmup, reps)
+        rows.append({"op": f"fp8 {proj} quantize x", "us": us_q, "tflops": 0.0, "pct_peak": 0.0,
+                     "gbs": t * k * 3 / us_q / 1e3, "pct_bw": 100 * t * k * 3 / us_q / 1e6 / READ_TBPS})
+        for impl in ops_fp8.GEMM_IMPLS:
+            us = median_us(lambda: ops_fp8.gemm_fp8(xq, ts, codes, scales, out, impl=impl), warmup, reps)
+            flops = 2.0 * t * n * k
+            nbytes = t * k + n * k + n * 4 + t * n * 2
+            rows.append({"op": f"fp8 {proj} {impl}", "us": us, "tflops": flops / us / 1e6,
+                         "pct_peak": 100 * flops / us / 1e6 / PEAK_TFLOPS, "gbs": nbytes / us / 1e3,
+                         "pct_bw": 100 * nbytes / us / 1e6 / READ_TBPS})
+    return rows
+
+
 def bench_attention(dims, t, rng, warmup, reps):
     import cupy as cp
     pages = kvcache.pages_for(t)
@@ -177,11 +206,23 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--only", default=None, help="one GEMM (qkv, o_proj, gate_up, down), no attention: for ncu")
+    ap.add_argument("--fp8", action="store_true", help="only the FP8 GEMMs, mma_sync against wgmma (PEAK is FP16's)")
     args = ap.parse_args(argv)
     import cupy as cp
     dims = config.load().model("7b")
     rng = np.random.default_rng(0)
     t = args.tokens
+    if args.fp8:
+        rows = bench_fp8_gemms(dims, t, rng, args.warmup, args.reps)
+        print(f"FP8 prefill GEMMs, 7B, T={t}, median of {args.reps} (CUDA events); %peak against the dense FP16 "
+              f"{PEAK_TFLOPS:.0f} TFLOP/s (FP8's is twice that)")
+        for r in rows:
+            print(f"{r['op']:28s} {r['us']:9.1f} {r['tflops']:8.1f} {r['pct_peak']:6.1f} {r['gbs']:7.0f} {r['pct_bw']:5.1f}")
+        if args.json:
+            from nanoqwen_lib import bench
+            bench.write_json({"tokens": t, "rows": rows, "gpu": bench.gpu_conditions()["gpu"],
+                              "git_commit": bench._git_commit(), "warmup": args.warmup, "reps": args.reps}, args.json)
+        return
     rows, best = bench_gemms(dims, t, rng, args.warmup, args.reps, args.only)
     if args.only:
         return
