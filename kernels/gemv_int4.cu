@@ -659,12 +659,13 @@ __device__ __forceinline__ void gemv_stream_body(const Stage& stage, const uint3
 // an SM has ~50 KB of loads outstanding at best and every CTA boundary drains it; the FP8
 // GEMV, with 64 light warps per SM, reads at ~83% of the ceiling (PERFLOG.md). Here the
 // weights travel by cp.async.bulk into a ring of shared-memory stages, so bytes in flight
-// no longer cost registers. Roles in a CTA of 5 warps (the paged attention's scheme):
+// no longer cost registers. Roles in a CTA of 1 + NQ_BULK_CONSUMER_WARPS warps (the paged
+// attention's scheme; measured slower than the tiles kernel, PERFLOG.md v5):
 //   warp 0      producer: lanes 0..15 each copy one row's segment of a stage (16 rows x
 //               up to NQ_BULK_GROUPS groups x 64 B), after lane 0 posts the stage's bytes
 //               on its full barrier (arrive.expect_tx)
-//   warps 1..4  consumers: stage all of x once, then per stage warp cw multiplies the
-//               stage's groups cw, cw + 4, ... exactly as the tiles kernel does (prmt or
+//   warps 1..C  consumers (C = 4 or 8): stage all of x once, then per stage warp cw multiplies
+//               the stage's groups cw, cw + C, ... exactly as the tiles kernel does (prmt or
 //               FOLD unpack, mma.sync, scale FMA), reading the weights from shared memory
 // Work items are (16-row tile, K slice) pairs, item = tile * ksplit + slice, dealt to the
 // persistent CTAs round-robin; one stage counter runs across a CTA's items, so the ring

@@ -10,8 +10,8 @@ E4M3 MMA with FP16 HMMA) and "wgmma" (wgmma_fp8.cu, sm_90a: Hopper's FP8 tensor 
 QGMMA). Both meet the same FP32-sum bound on the H200 (9542ec2): wgmma v1a.1 promotes each
 wgmma's sum into FP32 registers (NQ_WGMMA_PROMOTE_K), since the FP8 wgmma accumulator keeps
 fewer bits than FP32 (v1a, without it, missed the bound on ~0.1% of outputs). The default
-stays "mma_sync": wgmma v1a.1 (one warpgroup per 64 x 64 tile, no pipeline) is 1.26-1.37x
-slower at the 7B shapes, T = 512 (tools/bench_prefill.py --fp8; PERFLOG.md).
+stays "mma_sync": wgmma v1a.1 (one warpgroup per 64 x 64 tile, no pipeline) is no faster at
+qkv and 1.27-1.38x slower at the other 7B shapes, T = 512 (book/data/prefill-fp8.json).
 
 codes uint8 [N, K] (E4M3, K contiguous) and scales fp32 [N] are a projection as the file
 stores it (quant.quantize_fp8_rowwise). Every argument is checked before a kernel sees it.

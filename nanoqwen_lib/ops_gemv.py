@@ -25,7 +25,7 @@ GROUP = load().format.group_size
 GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1,
                "NQ_GEMV_STREAM_WARPS": 16, "NQ_GEMV_STREAM_RING": 4}
 GEMV_IMPL = "tiles"             # "tiles": CTA per 16-row tile (+ split-K); "stream": persistent stream-K;
-GEMV_IMPLS = ("tiles", "stream", "bulk")   # "bulk": persistent, weights via cp.async.bulk (v5, not yet measured)
+GEMV_IMPLS = ("tiles", "stream", "bulk")   # "bulk": persistent, weights via cp.async.bulk (v5: slower, PERFLOG)
 BULK_TUNING = {"NQ_BULK_STAGES": 4, "NQ_BULK_GROUPS": 8, "NQ_BULK_MAX_ITEM_GROUPS": 40,
                "NQ_BULK_CONSUMER_WARPS": 4}   # a CTA: one producer warp + these consumer warps
 BULK_CTAS_PER_SM = 4            # at most; shared memory may allow fewer

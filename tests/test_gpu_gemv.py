@@ -163,7 +163,10 @@ def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
                                          ("bulk", {"NQ_GEMV_FOLD": 1}),
                                          ("bulk", {"NQ_BULK_STAGES": 2, "NQ_BULK_GROUPS": 16}),
                                          ("bulk", {"NQ_BULK_STAGES": 8, "NQ_BULK_GROUPS": 4}),
-                                         ("bulk", {"NQ_BULK_STAGES": 3, "NQ_BULK_GROUPS": 5, "NQ_GEMV_FOLD": 1})])
+                                         ("bulk", {"NQ_BULK_STAGES": 3, "NQ_BULK_GROUPS": 5, "NQ_GEMV_FOLD": 1}),
+                                         ("bulk", {"NQ_BULK_CONSUMER_WARPS": 8, "NQ_GEMV_FOLD": 1}),
+                                         ("bulk", {"NQ_BULK_CONSUMER_WARPS": 8, "NQ_BULK_GROUPS": 5}),
+                                         ("bulk", {"NQ_BULK_WAIT_NS": 10_000_000, "NQ_GEMV_FOLD": 1})])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 3584, None), (130, 1152, 3), (1000, 18944, None)])
 def test_gemv_int4_tuning_variants(rng, impl, tuning, n, k, ksplit):
     run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning=tuning, impl=impl)
@@ -194,7 +197,8 @@ def test_gemv_int4_swiglu(rng, n, k, ksplit, impl):
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}),
                                          ("stream", {"NQ_GEMV_FOLD": 1}),
-                                         ("bulk", {"NQ_GEMV_FOLD": 1})])
+                                         ("bulk", {"NQ_GEMV_FOLD": 1}),
+                                         ("bulk", {"NQ_GEMV_FOLD": 1, "NQ_BULK_CONSUMER_WARPS": 8})])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, 5), (130, 1152, 1)])
 def test_gemv_int4_swiglu_tuning_variants(rng, impl, tuning, n, k, ksplit):
     run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, launcher="swiglu", tuning=tuning, impl=impl)

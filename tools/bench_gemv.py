@@ -249,7 +249,10 @@ def main():
         for r in ROWS:
             print(f"{r['shape']:8} {r['variant']:38} {r.get('ksplit', ''):>3} {r['us']:8.2f} {r['frac']:6.1%}")
         if args.out:
-            Path(args.out).write_text(json.dumps({"ceiling_tbps": ceiling, "rows": ROWS}, indent=1))
+            from nanoqwen_lib import bench
+            bench.write_json({"what": "tools/bench_gemv.py --bulk-only (graph replay, medians, weights rotating "
+                              "through 3x the L2)", "gpu": bench.gpu_conditions()["gpu"],
+                              "git_commit": bench._git_commit(), "ceiling_tbps": ceiling, "rows": ROWS}, args.out)
         return
     for name, (n, k) in SHAPES.items():
         bench_shape(name, n, k, ceiling, l2, args.quick)
