@@ -686,13 +686,13 @@ __device__ __forceinline__ void gemv_stream_body(const Stage& stage, const uint3
 #ifndef NQ_BULK_CONSUMER_WARPS
 #define NQ_BULK_CONSUMER_WARPS 4
 #endif
-// NQ_BULK_COPY_ONLY 1 is a measurement, not a kernel: the consumers wait for each stage and
-// release it without reading it, so the launch times the copy path alone (its roofline) and
-// its outputs are meaningless. tools/bench_gemv.py labels it so; nothing else builds it.
 // NQ_BULK_WAIT_NS > 0: the ring's waits carry that suspend-time hint (mbar_wait_suspend).
 #ifndef NQ_BULK_WAIT_NS
 #define NQ_BULK_WAIT_NS 0
 #endif
+// NQ_BULK_COPY_ONLY 1 is a measurement, not a kernel: the consumers wait for each stage and
+// release it without reading it, so the launch times the copy path alone (its roofline) and
+// its outputs are meaningless. Only tools/bench_gemv.py builds it, and labels it so.
 #ifndef NQ_BULK_COPY_ONLY
 #define NQ_BULK_COPY_ONLY 0
 #endif

@@ -30,10 +30,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
                      " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     } while (!done);
 }
-// Global -> shared bulk copy on the copy engine; completes `bytes` transactions on `bar`.
 // The same wait with a suspend-time hint: a waiting thread may be suspended (up to `ns`
-// nanoseconds) until the phase completes, instead of re-issuing try_wait; the issue slots
-// a spinning warp would take stay with the warps that have work.
+// nanoseconds) until the phase completes, instead of re-issuing try_wait, so a waiting warp
+// leaves its issue slots to the others (on the bulk GEMV it changed nothing: PERFLOG v5).
 __device__ __forceinline__ void mbar_wait_suspend(uint64_t* bar, uint32_t parity, uint32_t ns) {
     uint32_t done;
     do {
@@ -41,6 +40,7 @@ __device__ __forceinline__ void mbar_wait_suspend(uint64_t* bar, uint32_t parity
                      " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity), "r"(ns) : "memory");
     } while (!done);
 }
+// Global -> shared bulk copy on the copy engine; completes `bytes` transactions on `bar`.
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
