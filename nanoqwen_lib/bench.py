@@ -20,7 +20,7 @@ from .config import load
 from .layout import bytes_per_decode_token
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     """The commit measured: NANOQWEN_GIT_COMMIT when set (a copy of the tree without .git,
     as on the device machine), else git's HEAD."""
     import os
@@ -118,7 +118,7 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
         "tokens": run["tokens"],
         **({"itl_breakdown": parts} if parts else {}),
         "conditions": gpu_conditions(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

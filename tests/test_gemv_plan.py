@@ -3,14 +3,13 @@ that fit the scale buffer, a grid no larger than its items, shared memory that f
 and items spread over the SMs; impossible requests are refused with the field named."""
 import pytest
 
-from nanoqwen_lib import ops_gemv
+from nanoqwen_lib import layout, ops_gemv
 from nanoqwen_lib.config import load
 from nanoqwen_lib.errors import LimitError, NanoqwenError
 
 D = load().model("7b")
 T = {**ops_gemv.GEMV_TUNING, **ops_gemv.BULK_TUNING}
-SHAPES = {"qkv": (D.qkv_dim, D.hidden), "o_proj": (D.hidden, D.q_dim),
-          "gate_up": (2 * D.intermediate, D.hidden), "down": (D.hidden, D.intermediate)}
+SHAPES = layout.decode_gemv_shapes(D)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

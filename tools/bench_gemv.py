@@ -18,13 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cupy as cp  # noqa: E402
-import numpy as np  # noqa: E402
 
-from nanoqwen_lib import config, ops_gemv, timing  # noqa: E402
+from nanoqwen_lib import config, layout, ops_gemv, timing  # noqa: E402
 
 DIMS = config.load().model("7b")
-SHAPES = {"qkv": (DIMS.qkv_dim, DIMS.hidden), "o_proj": (DIMS.hidden, DIMS.q_dim),
-          "gate_up": (2 * DIMS.intermediate, DIMS.hidden), "down": (DIMS.hidden, DIMS.intermediate)}
+SHAPES = layout.decode_gemv_shapes(DIMS)
 EPILOGUE = {"qkv": "bias", "o_proj": "residual", "gate_up": None, "down": "residual"}
 ROWS = []
 STREAM_VARIANTS = (("16w x1", {}, 1), ("16w x1 ring8", {"NQ_GEMV_STREAM_RING": 8}, 1),
@@ -230,6 +228,13 @@ def bench_small(ceiling):
                                                      inner=20, graph=True), 2 * h * 2, ceiling)
 
 
+def print_rows():
+    print(f"\n{'shape':8} {'variant':38} {'ks':>3} {'us':>8} {'p10-p90':>13} {'GB/s':>7} {'ceil':>6}")
+    for r in ROWS:
+        print(f"{r['shape']:8} {r['variant']:38} {r.get('ksplit', ''):>3} {r['us']:8.2f} "
+              f"{r['p10_us']:6.2f}-{r['p90_us']:6.2f} {r['GBps']:7.0f} {r['frac']:6.1%}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -246,13 +251,12 @@ def main():
     if args.bulk_only:
         for name in ("gate_up", "down"):
             bench_shape(name, *SHAPES[name], ceiling, l2, True, bulk_only=True)
-        for r in ROWS:
-            print(f"{r['shape']:8} {r['variant']:38} {r.get('ksplit', ''):>3} {r['us']:8.2f} {r['frac']:6.1%}")
+        print_rows()
         if args.out:
             from nanoqwen_lib import bench
             bench.write_json({"what": "tools/bench_gemv.py --bulk-only (graph replay, medians, weights rotating "
                               "through 3x the L2)", "gpu": bench.gpu_conditions()["gpu"],
-                              "git_commit": bench._git_commit(), "ceiling_tbps": ceiling, "rows": ROWS}, args.out)
+                              "git_commit": bench.git_commit(), "ceiling_tbps": ceiling, "rows": ROWS}, args.out)
         return
     for name, (n, k) in SHAPES.items():
         bench_shape(name, n, k, ceiling, l2, args.quick)
@@ -264,10 +268,7 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps({"ceiling_tbps": ceiling, "ceiling_again_tbps": ceiling_again,
                                               "rows": ROWS}, indent=1))
-    print(f"\n{'shape':8} {'variant':38} {'ks':>3} {'us':>8} {'p10-p90':>13} {'GB/s':>7} {'ceil':>6}")
-    for r in ROWS:
-        print(f"{r['shape']:8} {r['variant']:38} {r.get('ksplit', ''):>3} {r['us']:8.2f} "
-              f"{r['p10_us']:6.2f}-{r['p90_us']:6.2f} {r['GBps']:7.0f} {r['frac']:6.1%}")
+    print_rows()
     best = {}
     for r in ROWS:
         if r["shape"] in SHAPES and not r["variant"].startswith("dp4a") and "eager" not in r["variant"]:

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanoqwen_lib import config, kvcache, ops_prefill  # noqa: E402
+from nanoqwen_lib import config, kvcache, layout, ops_prefill  # noqa: E402
 
 PEAK_TFLOPS = 790.0
 READ_TBPS = 4.5
@@ -106,11 +106,8 @@ def cfg_name(c):
 
 def bench_gemms(dims, t, rng, warmup, reps, only=None):
     import cupy as cp
-    h, inter = dims.hidden, dims.intermediate
-    shapes = {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * inter, h),
-              "down": (h, inter)}
     rows, best = [], {}
-    for proj, (n, k) in shapes.items():
+    for proj, (n, k) in layout.decode_gemv_shapes(dims).items():      # the same four matrices as decode
         if only and proj != only:
             continue
         words, scales = rand_int4(rng, n, k)
@@ -154,10 +151,8 @@ def bench_fp8_gemms(dims, t, rng, warmup, reps):
     mma.sync on sm_90; wgmma: QGMMA on sm_90a). Weight bytes are one per weight."""
     import cupy as cp
     from nanoqwen_lib import ops_fp8
-    h, inter = dims.hidden, dims.intermediate
-    shapes = {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * inter, h), "down": (h, inter)}
     rows = []
-    for proj, (n, k) in shapes.items():
+    for proj, (n, k) in layout.decode_gemv_shapes(dims).items():
         codes = cp.asarray(rng.integers(0, 0x7F, size=(n, k), dtype=np.uint8) | (rng.integers(0, 2, size=(n, k),
                            dtype=np.uint8) << 7))                  # every finite E4M3 code, both signs
         scales = cp.asarray(rng.uniform(1e-4, 1e-3, n).astype(np.float32))
@@ -221,7 +216,7 @@ def main(argv=None):
         if args.json:
             from nanoqwen_lib import bench
             bench.write_json({"tokens": t, "rows": rows, "gpu": bench.gpu_conditions()["gpu"],
-                              "git_commit": bench._git_commit(), "warmup": args.warmup, "reps": args.reps}, args.json)
+                              "git_commit": bench.git_commit(), "warmup": args.warmup, "reps": args.reps}, args.json)
         return
     rows, best = bench_gemms(dims, t, rng, args.warmup, args.reps, args.only)
     if args.only:

@@ -16,11 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cupy as cp  # noqa: E402
 
-from nanoqwen_lib import config, ops_gemv  # noqa: E402
+from nanoqwen_lib import config, layout, ops_gemv  # noqa: E402
 
-DIMS = config.load().model("7b")
-SHAPES = {"qkv": (DIMS.qkv_dim, DIMS.hidden), "o_proj": (DIMS.hidden, DIMS.q_dim),
-          "gate_up": (2 * DIMS.intermediate, DIMS.hidden), "down": (DIMS.hidden, DIMS.intermediate)}
+SHAPES = layout.decode_gemv_shapes(config.load().model("7b"))
 
 
 def main(argv=None) -> None:
