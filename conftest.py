@@ -38,7 +38,7 @@ def _nbval_cell_tags(item) -> list[str] | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    from nanoqwen_lib.cuda_build import have_gpu
+    from nanoqwen_lib.gpu.cuda_build import have_gpu
 
     if have_gpu():
         return  # everything runs and every output is compared

@@ -10,7 +10,7 @@ typedef unsigned long long uint64_t;
 typedef long long int64_t;
 
 #ifndef NQ_GROUP_SIZE
-#error "NQ_GROUP_SIZE must come from nanoqwen.yaml via -D (nanoqwen_lib.cuda_build)"
+#error "NQ_GROUP_SIZE must come from nanoqwen.yaml via -D (nanoqwen_lib.gpu.cuda_build)"
 #endif
 #ifndef NQ_PAGE_TOKENS
 #error "NQ_PAGE_TOKENS must come from nanoqwen.yaml via -D"

@@ -6,7 +6,7 @@
 // Input qkv fp16 [q_dim + 2 kv_dim] is the fused qkv GEMV output (bias already added):
 // q heads, then k heads, then v heads. position and slot are read from device memory so
 // a captured CUDA graph replays unchanged for every token; slot = block_table[pos / 16] * 16
-// + pos % 16 (nanoqwen_lib.kvcache.PageTable.slot_mapping).
+// + pos % 16 (nanoqwen_lib.model.kvcache.PageTable.slot_mapping).
 //
 // RoPE, Hugging Face rotate_half convention (halves, not interleaved pairs), FP32 inside:
 //   angle_i = fp32(pos) * inv_freq[i],  inv_freq[i] = 1 / theta^(2i/d)   (i < d/2)

@@ -1,6 +1,6 @@
 """`python -m nanoqwen_lib` is the `nanoqwen` command."""
 import sys
 
-from .cli import main
+from nanoqwen_lib.cli import main
 
 sys.exit(main())

@@ -11,12 +11,27 @@ import re
 import sys
 from pathlib import Path
 
-from .errors import LimitError, NanoqwenError
+from nanoqwen_lib.errors import LimitError, NanoqwenError
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, status 2 (argparse's own convention)
         self.exit(2, f"nanoqwen {self.prog.split()[-1]}: error: {_house_format(message)} (see --help)\n")
+
+
+
+def make_backend(name: str, nq_file):
+    if name == "reference":
+        from nanoqwen_lib.model.generate import ReferenceBackend
+        return ReferenceBackend(nq_file)
+    if name == "gpu":
+        from nanoqwen_lib.gpu.cuda_build import have_gpu
+        if not have_gpu():
+            raise LimitError("<arguments>", "--backend", "a CUDA GPU for --backend gpu",
+                             "none (CuPy sees no usable device)", "use --backend reference")
+        from nanoqwen_lib.gpu.engine import gpu_backend
+        return gpu_backend(nq_file)
+    raise LimitError("<arguments>", "--backend", "reference or gpu", repr(name))
 
 
 def _house_format(message: str) -> str:
@@ -56,8 +71,8 @@ def _nonneg(text: str) -> int:
 
 
 def cmd_synth(a) -> int:
-    from .config import load
-    from .synth import synthesize
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.synthetic.checkpoint import synthesize
     dims = load().model(a.dims)
     if a.out.exists() and not a.out.is_dir():
         raise LimitError(a.out, "--out", "a directory (new, or existing)", "an existing file")
@@ -80,7 +95,7 @@ def _check_output_file(path: Path, flag: str) -> None:
 
 
 def cmd_pack(a) -> int:
-    from .packer import pack_checkpoint
+    from nanoqwen_lib.format.packer import pack_checkpoint
     _check_output_file(a.output, "--output")
     out = pack_checkpoint(a.checkpoint, a.output, progress=not a.quiet, weights=a.weights)
     print(f"wrote {out} ({out.stat().st_size / 1e9:.3f} GB)")
@@ -88,15 +103,15 @@ def cmd_pack(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    from .inspect_file import describe
-    from .weightfile import NanoqwenFile
+    from nanoqwen_lib.format.inspect_file import describe
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     f = NanoqwenFile.open(a.file, verify_payload=a.verify)
     print(describe(f, tensors=not a.header_only))
     return 0
 
 
 def _load_tokenizer(nq_file):
-    from .tokenizer import QwenTokenizer
+    from nanoqwen_lib.format.tokenizer import QwenTokenizer
     blob = nq_file.tokenizer_json
     if not blob:
         return QwenTokenizer.default()
@@ -107,8 +122,8 @@ def _load_tokenizer(nq_file):
 
 
 def cmd_generate(a) -> int:
-    from .generate import check_request, generate_ids, make_backend, stream_text
-    from .weightfile import NanoqwenFile
+    from nanoqwen_lib.model.generate import check_request, generate_ids, stream_text
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
     tok = _load_tokenizer(f)
     if a.prompt_ids is not None:
@@ -129,13 +144,13 @@ def cmd_generate(a) -> int:
 
 
 def _default_backend() -> str:
-    from .cuda_build import have_gpu
+    from nanoqwen_lib.gpu.cuda_build import have_gpu
     return "gpu" if have_gpu() else "reference"
 
 
 def cmd_demo(a) -> int:
     """The embedded default, end to end: synthesize tiny, pack it, generate with it."""
-    from .synthetic import packed_synthetic
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
     out = packed_synthetic("tiny", seed=0, progress=True)
     backend = a.backend or _default_backend()
     print(f"file       {out} ({out.stat().st_size / 1e6:.1f} MB)\nbackend    {backend}")
@@ -147,9 +162,9 @@ def cmd_demo(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .bench import benchmark_e2e, format_report, write_json
-    from .cuda_build import have_gpu
-    from .weightfile import NanoqwenFile
+    from nanoqwen_lib.measure.bench import benchmark_e2e, format_report, write_json
+    from nanoqwen_lib.gpu.cuda_build import have_gpu
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
     if not have_gpu():
         raise LimitError(a.file, "GPU", "a CUDA GPU for benchmark_e2e", "none (cupy sees no device)")
@@ -157,7 +172,7 @@ def cmd_bench(a) -> int:
                       progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True),
                       prefill=a.prefill, breakdown=a.breakdown)
     if a.peers:
-        from .peers import run_peers
+        from nanoqwen_lib.measure.peers import run_peers
         r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True))
     print(format_report(r))
     if a.json:
@@ -168,9 +183,9 @@ def cmd_bench(a) -> int:
 
 def cmd_validate(a) -> int:
     import json
-    from .cuda_build import have_gpu
-    from .validate import run_ladder
-    from .weightfile import NanoqwenFile
+    from nanoqwen_lib.gpu.cuda_build import have_gpu
+    from nanoqwen_lib.measure.validate import run_ladder
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     ladder = ("unit", "layer", "graph")
     stages = [x.strip() for x in a.stages.split(",") if x.strip()]
     if not stages or any(x not in ladder for x in stages) or stages != sorted(stages, key=ladder.index):
@@ -181,7 +196,7 @@ def cmd_validate(a) -> int:
     r = run_ladder(f, a.prompts, a.gen_tokens, stages=stages, reference_batch=a.reference_batch,
                    progress=lambda m: print(f"[validate] {m}", file=sys.stderr, flush=True))
     if a.json:
-        from .bench import write_json
+        from nanoqwen_lib.measure.bench import write_json
         write_json(r, a.json)
     per_step = ("first_divergence", "mismatches", "logit_err", "gap_err")   # in --json only
     brief = lambda d: {k: brief(v) if isinstance(v, dict) else v for k, v in d.items() if k not in per_step}  # noqa: E731

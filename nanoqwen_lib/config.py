@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import ConfigError
+from nanoqwen_lib.errors import ConfigError
 
 CONFIG_PATH = Path(__file__).with_name("nanoqwen.yaml")
 

@@ -29,14 +29,15 @@ from typing import Callable
 
 import numpy as np
 
-from nanoqwen_lib.checkpoint import INDEX
+from nanoqwen_lib.format.checkpoint import INDEX
 from nanoqwen_lib.errors import CheckpointError, ConfigError, FormatError, LimitError, NanoqwenError
-from nanoqwen_lib.fileformat import FMT, TOKENIZER_BLOB, align_up, plan_layout
-from nanoqwen_lib.generate import check_request, make_backend
-from nanoqwen_lib.packer import pack_checkpoint
-from nanoqwen_lib.safetensors_io import write_safetensors
-from nanoqwen_lib.synth import synthesize
-from nanoqwen_lib.weightfile import NanoqwenFile, write_nanoqwen
+from nanoqwen_lib.format.fileformat import FMT, TOKENIZER_BLOB, align_up, plan_layout
+from nanoqwen_lib.cli import make_backend
+from nanoqwen_lib.model.generate import check_request
+from nanoqwen_lib.format.packer import pack_checkpoint
+from nanoqwen_lib.format.safetensors_io import write_safetensors
+from nanoqwen_lib.synthetic.checkpoint import synthesize
+from nanoqwen_lib.format.weightfile import NanoqwenFile, write_nanoqwen
 
 from .test_checkpoint import edit_json, remap, variant
 from .test_fileformat import MICRO, _rewrite, random_producer

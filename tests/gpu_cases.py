@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from nanoqwen_lib.config import load
-from nanoqwen_lib.layout import decode_gemv_shapes
+from nanoqwen_lib.format.layout import decode_gemv_shapes
 
 U16 = 2.0 ** -10        # one fp16 ulp at 1.0
 TINY16 = 2.0 ** -24     # the smallest fp16 subnormal
@@ -25,7 +25,7 @@ def check_decode_layer(eng, nq_file, layer: int, token: int) -> dict:
     token's K and V element by element (a few fp16 steps + sum order) and by relative error;
     returns part -> relative error."""
     import cupy as cp
-    from nanoqwen_lib import reference as ref
+    from nanoqwen_lib.model import reference as ref
     with eng.stream:
         eng.write_token(token)
         eng.begin_step(new_page=eng.position % 16 == 0)
@@ -66,8 +66,8 @@ def check_prefill(nq_file, refm, n, seed, layers, max_tokens):
     logits, and the first generated token."""
     import cupy as cp
     from nanoqwen_lib.config import load
-    from nanoqwen_lib.engine import gpu_backend
-    from nanoqwen_lib.reference import argmax_and_gap
+    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.model.reference import argmax_and_gap
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 151643, n).tolist()
     eng = gpu_backend(nq_file, max_tokens=max_tokens, graphs=False)   # INT4 or FP8, by the file
@@ -84,7 +84,7 @@ def check_prefill(nq_file, refm, n, seed, layers, max_tokens):
     k_bound = {layer: (1e-2, 1e-2) for layer in layers}
     logit_bound = 2e-2
     if nq_file.encoding == "fp8":
-        from nanoqwen_lib.reference import ReferenceModel
+        from nanoqwen_lib.model.reference import ReferenceModel
         from .sensitivity import one_ulp_sensitivity
         sens, sens_logits = one_ulp_sensitivity(ReferenceModel, nq_file.dims, nq_file.model_tensors(), prompt,
                                                 layers, cp, seed=seed)

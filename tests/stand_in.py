@@ -7,9 +7,9 @@ import types
 
 import numpy as np
 
-from nanoqwen_lib import ops_attention, ops_gemv, ops_prefill
+from nanoqwen_lib.gpu import ops_attention, ops_gemv, ops_prefill
 from nanoqwen_lib.config import load
-from nanoqwen_lib.engine import plan_arena
+from nanoqwen_lib.gpu.engine import plan_arena
 
 
 class HostDeviceArray(np.ndarray):

@@ -12,10 +12,10 @@ import re
 
 import pytest
 
-from nanoqwen_lib import packer
+from nanoqwen_lib.format import packer
 from nanoqwen_lib.errors import FormatError, NanoqwenError
-from nanoqwen_lib.packer import pack_checkpoint
-from nanoqwen_lib.weightfile import NanoqwenFile
+from nanoqwen_lib.format.packer import pack_checkpoint
+from nanoqwen_lib.format.weightfile import NanoqwenFile
 
 from .bad_inputs import (AT, CASES, CATEGORIES, ENTRIES, K_PROJ, CliRefusal, flip, micro_checkpoint,
                          micro_file_bytes)

@@ -246,7 +246,7 @@ def _notebook(cells):
 
 def test_conftest_gpu_cells_and_gpu_tests(tmp_path):
     """Run the real conftest.py on a scratch notebook with nbval in a child pytest."""
-    from nanoqwen_lib.cuda_build import have_gpu
+    from nanoqwen_lib.gpu.cuda_build import have_gpu
 
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
     nbformat.write(_notebook([("print('cpu')", "h200\n", ["gpu"]),   # differs, tagged gpu

@@ -12,13 +12,13 @@ import shutil
 import numpy as np
 import pytest
 
-from nanoqwen_lib.cache import synthetic_checkpoint
-from nanoqwen_lib.checkpoint import INDEX, Checkpoint
+from nanoqwen_lib.synthetic.cache import synthetic_checkpoint
+from nanoqwen_lib.format.checkpoint import INDEX, Checkpoint
 from nanoqwen_lib.config import load
 from nanoqwen_lib.errors import CheckpointError
-from nanoqwen_lib.layout import hf_tensors
-from nanoqwen_lib.safetensors_io import write_safetensors
-from nanoqwen_lib.synth import synthesize
+from nanoqwen_lib.format.layout import hf_tensors
+from nanoqwen_lib.format.safetensors_io import write_safetensors
+from nanoqwen_lib.synthetic.checkpoint import synthesize
 
 TINY = load().model("tiny")
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from nanoqwen_lib.cuda_build import have_gpu
-from nanoqwen_lib.weightfile import NanoqwenFile, write_nanoqwen
+from nanoqwen_lib.gpu.cuda_build import have_gpu
+from nanoqwen_lib.format.weightfile import NanoqwenFile, write_nanoqwen
 
 from .bad_inputs import micro_checkpoint
 from .test_fileformat import MICRO, random_producer
@@ -109,7 +109,7 @@ def test_pack_killed_leaves_no_file(tmp_path):
     """SIGKILL in the middle of writing: the O_TMPFILE output never got a name."""
     code = (
         "import time, sys\n"
-        "from nanoqwen_lib.weightfile import write_nanoqwen\n"
+        "from nanoqwen_lib.format.weightfile import write_nanoqwen\n"
         "from tests.test_fileformat import MICRO, random_producer\n"
         "base = random_producer(0)\n"
         "def slow(n, d, s):\n"

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from nanoqwen_lib import ops_fp8, ops_prefill
-from nanoqwen_lib.engine_fp8 import GpuBackendFp8
+from nanoqwen_lib.gpu import ops_fp8, ops_prefill
+from nanoqwen_lib.gpu.engine_fp8 import GpuBackendFp8
 
 from .stand_in import stand_in_cupy, stand_in_engine
 
@@ -74,7 +74,7 @@ def test_fp8_prefill_launches_pass_their_checks(recorded, dims_name, t, start):
 
 def test_each_engine_names_its_own_prefill_gemms():
     """What bench writes as protocol.prefill (the FP8 bench JSON of 5bcd157 said INT4)."""
-    from nanoqwen_lib.engine import GpuBackend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     for cls, word in ((GpuBackend, "INT4"), (GpuBackendFp8, "FP8")):
         eng = object.__new__(cls)
         eng.prefill_mode, eng.chunk = "tensor-core", 512
@@ -88,7 +88,7 @@ def test_launch_step_chooses_replay_or_eager_and_writes_the_token_first():
     before anything is enqueued."""
     import contextlib
 
-    from nanoqwen_lib.engine import GpuBackend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.errors import LimitError
 
     log = []

@@ -3,8 +3,8 @@ the qkv and gate_up stacks cover their rows exactly once."""
 import pytest
 
 from nanoqwen_lib.config import load
-from nanoqwen_lib.engine import plan_arena, weight_sources
-from nanoqwen_lib.layout import bytes_per_decode_token, packed_tensors
+from nanoqwen_lib.gpu.engine import plan_arena, weight_sources
+from nanoqwen_lib.format.layout import bytes_per_decode_token, packed_tensors
 
 
 @pytest.mark.parametrize("name", ["7b", "tiny", "tiny-hd64"])
@@ -42,7 +42,7 @@ def test_arena_refuses_what_does_not_fit_before_allocating(monkeypatch):
     import sys
     import types
 
-    from nanoqwen_lib.arena import DeviceArena
+    from nanoqwen_lib.gpu.arena import DeviceArena
     from nanoqwen_lib.errors import LimitError
 
     def no_alloc(n):
@@ -64,8 +64,8 @@ def test_region_bytes_cover_the_decode_token_once(name):
     """The ITL breakdown's floors: one entry per region of GpuBackend.step_launches (read
     off the engine's own step, on a stand-in arena), adding up exactly to what a decode
     token must read."""
-    from nanoqwen_lib.engine import GpuBackend
-    from nanoqwen_lib.layout import decode_region_bytes
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.format.layout import decode_region_bytes
 
     from .stand_in import stand_in_engine
     regions = tuple(dict.fromkeys(r for r, _ in stand_in_engine(GpuBackend, name, 64).step_launches(False)))

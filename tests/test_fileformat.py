@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from nanoqwen_lib.config import load
-from nanoqwen_lib.fileformat import (DIR_STRUCT, FMT, HEADER_CRC_AT, HEADER_FIELDS, HEADER_STRUCT,
+from nanoqwen_lib.format.fileformat import (DIR_STRUCT, FMT, HEADER_CRC_AT, HEADER_FIELDS, HEADER_STRUCT,
                                      TOKENIZER_BLOB, plan_layout)
-from nanoqwen_lib.weightfile import NanoqwenFile, write_nanoqwen
+from nanoqwen_lib.format.weightfile import NanoqwenFile, write_nanoqwen
 
 # Small vocab and one layer: same structure as `tiny`, a file of a few MB.
 MICRO = dataclasses.replace(load().model("tiny"), vocab=512, num_layers=1)
@@ -84,7 +84,7 @@ def _rewrite(path, header_patch=None, dir_patch=None, fix_crcs=True):
     for i, patch in (dir_patch or {}).items():
         base = FMT.header_bytes + i * FMT.dir_entry_bytes
         vals = list(DIR_STRUCT.unpack_from(raw, base))
-        names = [f[0] for f in __import__("nanoqwen_lib.fileformat", fromlist=["DIR_FIELDS"]).DIR_FIELDS]
+        names = [f[0] for f in __import__("nanoqwen_lib.format.fileformat", fromlist=["DIR_FIELDS"]).DIR_FIELDS]
         for k, v in patch.items():
             vals[names.index(k)] = v
         DIR_STRUCT.pack_into(raw, base, *vals)

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from nanoqwen_lib import quant
+from nanoqwen_lib.format import quant
 from nanoqwen_lib.errors import FormatError, LimitError
 
 torch = pytest.importorskip("torch")
@@ -64,14 +64,14 @@ def test_rowwise_quantizer_bound(rng, shape):
 
 @pytest.fixture(scope="module")
 def fp8_tiny():
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     return NanoqwenFile.open(packed_synthetic("tiny", weights="fp8"))
 
 
 def test_fp8_file_round_trip(fp8_tiny):
-    from nanoqwen_lib.cache import synthetic_checkpoint
-    from nanoqwen_lib.checkpoint import Checkpoint
+    from nanoqwen_lib.synthetic.cache import synthetic_checkpoint
+    from nanoqwen_lib.format.checkpoint import Checkpoint
     f = fp8_tiny
     assert f.encoding == "fp8" and f.header.layout_id == 2
     name = "model.layers.1.mlp.down_proj"
@@ -84,7 +84,7 @@ def test_fp8_file_round_trip(fp8_tiny):
 
 
 def test_fp8_generates_on_the_reference(fp8_tiny):
-    from nanoqwen_lib.generate import ReferenceBackend, generate_ids
+    from nanoqwen_lib.model.generate import ReferenceBackend, generate_ids
     ids = list(generate_ids(ReferenceBackend(fp8_tiny), [9707, 1879, 11], 6))
     assert len(ids) == 6 and all(0 <= t < fp8_tiny.dims.vocab for t in ids)
 
@@ -92,9 +92,9 @@ def test_fp8_generates_on_the_reference(fp8_tiny):
 def test_layout_id_is_never_reinterpreted(tmp_path):
     """An INT4 file whose header claims layout 2 (re-sealed, so only the meaning changed)
     is refused at its first projection's dtype; an unknown id is refused in the header."""
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.fileformat import FMT, HEADER_CRC_AT, HEADER_FIELDS, HEADER_STRUCT
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.fileformat import FMT, HEADER_CRC_AT, HEADER_FIELDS, HEADER_STRUCT
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     raw = bytearray(packed_synthetic("tiny").read_bytes())
     at = struct.calcsize("<" + "".join(code for _, code, _ in HEADER_FIELDS[:2]))   # magic, version
     assert HEADER_STRUCT.unpack_from(raw)[2] == FMT.layout_id
@@ -112,10 +112,10 @@ def test_layout_id_is_never_reinterpreted(tmp_path):
 def test_each_gpu_engine_refuses_the_other_encoding_before_the_gpu(fp8_tiny):
     """The INT4 engine refuses an FP8 file and the FP8 engine an INT4 one, by the header's
     layout_id, before anything touches a GPU (this runs without one)."""
-    from nanoqwen_lib.engine import GpuBackend
-    from nanoqwen_lib.engine_fp8 import GpuBackendFp8
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.gpu.engine_fp8 import GpuBackendFp8
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     for cls, f, found in ((GpuBackend, fp8_tiny, "2 (fp8)"),
                           (GpuBackendFp8, NanoqwenFile.open(packed_synthetic("tiny")), "1 (int4)")):
         with pytest.raises(LimitError) as ei:
@@ -141,12 +141,12 @@ def test_fp8_is_closer_to_the_fp16_weights_than_int4(fp8_tiny):
     """Logits of the whole tiny model on a 24-token prompt, FP8 and INT4 weights each
     against the unquantized FP16 weights (same activations contract): E4M3 keeps 3 mantissa
     bits per weight where INT4 keeps ~3 bits of a group's range, so FP8 must be closer."""
-    from nanoqwen_lib.cache import synthetic_checkpoint
-    from nanoqwen_lib.checkpoint import Checkpoint
-    from nanoqwen_lib.layout import packed_tensors
-    from nanoqwen_lib.reference import ReferenceModel
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.synthetic.cache import synthetic_checkpoint
+    from nanoqwen_lib.format.checkpoint import Checkpoint
+    from nanoqwen_lib.format.layout import packed_tensors
+    from nanoqwen_lib.model.reference import ReferenceModel
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     dims = fp8_tiny.dims
     ck = Checkpoint.open(synthetic_checkpoint("tiny"))
     fp16 = {n: ck.tensor(n).astype(np.float16) for n in packed_tensors(dims, "fp16")}
@@ -164,9 +164,9 @@ def test_fp8_prefill_amplifies_one_ulp_noise_int4_does_not():
     """The yardstick of tests/gpu_cases.check_prefill (tests/sensitivity.py): moving the
     embedding by one fp16 ulp moves the FP8 prefill's layer-1 K by percents (E4M3 rounding
     flips), the INT4 prefill's by far less. The GPU test bounds FP8 past layer 0 by it."""
-    from nanoqwen_lib.reference import ReferenceModel
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.model.reference import ReferenceModel
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
 
     from .sensitivity import one_ulp_sensitivity
     prompt = np.random.default_rng(17).integers(0, 151643, 17).tolist()

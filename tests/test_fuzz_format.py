@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoqwen_lib.errors import FormatError
-from nanoqwen_lib.fileformat import FMT, HEADER_FIELDS
-from nanoqwen_lib.weightfile import NanoqwenFile, write_nanoqwen
+from nanoqwen_lib.format.fileformat import FMT, HEADER_FIELDS
+from nanoqwen_lib.format.weightfile import NanoqwenFile, write_nanoqwen
 
 from .test_fileformat import MICRO, random_producer
 

@@ -3,7 +3,8 @@ that fit the scale buffer, a grid no larger than its items, shared memory that f
 and items spread over the SMs; impossible requests are refused with the field named."""
 import pytest
 
-from nanoqwen_lib import layout, ops_gemv
+from nanoqwen_lib.format import layout
+from nanoqwen_lib.gpu import ops_gemv
 from nanoqwen_lib.config import load
 from nanoqwen_lib.errors import LimitError, NanoqwenError
 

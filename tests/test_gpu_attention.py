@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanoqwen_lib import cuda_build, kvcache, reference
+from nanoqwen_lib.gpu import cuda_build
+from nanoqwen_lib.model import kvcache, reference
 from nanoqwen_lib.config import load
-from nanoqwen_lib.ops_attention import (attention_ref_f64, attention_tolerance, random_paged_case,
-                                        rope_inv_freq)
+from nanoqwen_lib.gpu.ops_attention import rope_inv_freq
+from nanoqwen_lib.model.kvcache import attention_ref_f64, attention_tolerance, random_paged_case
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "sanitize_attention.py"
@@ -82,7 +83,7 @@ def test_random_paged_case_holds_the_tokens():
 @pytest.mark.parametrize("position", [0, 1, 15, 16, 49, 4095, 32767])
 def test_rope_append_matches_reference(name, position):
     import cupy as cp
-    from nanoqwen_lib.ops_attention import kernels
+    from nanoqwen_lib.gpu.ops_attention import kernels
     d = load().model(name)
     rng = np.random.default_rng(position)
     qkv = rng.standard_normal(d.qkv_dim).astype(np.float16)
@@ -114,7 +115,7 @@ def test_rope_append_matches_reference(name, position):
 def run_attention(name, ctx, max_splits, seed, buggy=False):
     """One fresh case through the split + combine kernels -> (out float64, ref float64)."""
     import cupy as cp
-    from nanoqwen_lib.ops_attention import AttentionWorkspace, kernels
+    from nanoqwen_lib.gpu.ops_attention import AttentionWorkspace, kernels
     d = load().model(name)
     ws = AttentionWorkspace(d, max_context=ctx + 40, max_splits=max_splits)   # unmapped table tail: -1
     q, k, v, pool, table = random_paged_case(d, ctx, np.random.default_rng(seed), ws.max_pages)
@@ -146,7 +147,7 @@ def test_paged_attention_matches_f64_reference(name, ctx, max_splits):
 @needs_gpu
 def test_launcher_refuses_bad_buffers():
     import cupy as cp
-    from nanoqwen_lib.ops_attention import AttentionWorkspace, kernels
+    from nanoqwen_lib.gpu.ops_attention import AttentionWorkspace, kernels
     d = load().model("7b")
     ws = AttentionWorkspace(d, max_context=64, max_splits=4)
     pool = cp.zeros((1, 2, 4, d.num_kv_heads, 16, d.head_dim), cp.float16)

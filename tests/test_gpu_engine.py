@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoqwen_lib.cuda_build import have_gpu
+from nanoqwen_lib.gpu.cuda_build import have_gpu
 
 from .gpu_cases import check_decode_layer, check_prefill
 
@@ -19,14 +19,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs 
 
 @pytest.fixture(scope="module")
 def file_7b():
-    from nanoqwen_lib.synthetic import packed_synthetic_direct
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.synthetic.packed import packed_synthetic_direct
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     return NanoqwenFile.open(packed_synthetic_direct("7b", seed=0), verify_payload=False)
 
 
 @pytest.fixture(scope="module")
 def engine_7b(file_7b):
-    from nanoqwen_lib.engine import GpuBackend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     return GpuBackend(file_7b, max_tokens=4096)
 
 
@@ -44,9 +44,9 @@ def test_decoder_layer_matches_reference_7b(file_7b, engine_7b, layer):
 
 def _agreement(nq_file, prompts, new_tokens, max_tokens=4096):
     import cupy as cp
-    from nanoqwen_lib.engine import GpuBackend
-    from nanoqwen_lib.reference import ReferenceModel
-    from nanoqwen_lib.validate import greedy_agreement
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.model.reference import ReferenceModel
+    from nanoqwen_lib.measure.validate import greedy_agreement
     gpu = GpuBackend(nq_file, max_tokens=max_tokens)
     refm = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
     return greedy_agreement(gpu, refm, prompts, new_tokens)
@@ -61,8 +61,8 @@ def test_greedy_tokens_match_reference_7b(file_7b):
 
 
 def test_greedy_tokens_match_reference_tiny_pipeline():
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
     rng = np.random.default_rng(8)
     prompts = [_prompt(rng, n) for n in (3, 16, 33)]
@@ -75,7 +75,7 @@ def test_greedy_tokens_match_reference_tiny_pipeline():
 def test_graph_replay_identical_to_eager(file_7b, prompt_len):
     """Prompts that end just before, on and just after a page boundary; 130 new tokens,
     so both graph variants (mid-page, new page) are replayed many times."""
-    from nanoqwen_lib.engine import GpuBackend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     rng = np.random.default_rng(prompt_len)
     prompt = _prompt(rng, prompt_len)
     perm = rng.permutation(-(-600 // 16))
@@ -96,7 +96,7 @@ def test_graph_replay_identical_to_eager(file_7b, prompt_len):
 @pytest.fixture(scope="module")
 def ref_7b(file_7b):
     import cupy as cp
-    from nanoqwen_lib.reference import ReferenceModel
+    from nanoqwen_lib.model.reference import ReferenceModel
     return ReferenceModel(file_7b.dims, file_7b.model_tensors(), xp=cp)
 
 
@@ -108,10 +108,10 @@ def test_prefill_matches_reference_7b(file_7b, ref_7b, n):
 
 
 def test_prefill_matches_reference_tiny_three_chunks():
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     import cupy as cp
-    from nanoqwen_lib.reference import ReferenceModel
+    from nanoqwen_lib.model.reference import ReferenceModel
     f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
     refm = ReferenceModel(f.dims, f.model_tensors(), xp=cp)
     check_prefill(f, refm, 1100, seed=11, layers=(0, 1), max_tokens=1200)
@@ -123,8 +123,8 @@ def test_tensor_core_and_token_by_token_prefill_agree_7b(file_7b):
     graphs are reported (after a near-tie they may part)."""
     import cupy as cp
     from nanoqwen_lib.config import load
-    from nanoqwen_lib.engine import GpuBackend
-    from nanoqwen_lib.reference import argmax_and_gap
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.model.reference import argmax_and_gap
     rng = np.random.default_rng(5)
     prompt = _prompt(rng, 77)
     runs = {}

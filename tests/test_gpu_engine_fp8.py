@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoqwen_lib.cuda_build import have_gpu
+from nanoqwen_lib.gpu.cuda_build import have_gpu
 
 from .gpu_cases import check_decode_layer, check_prefill
 
@@ -21,15 +21,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs 
 
 @pytest.fixture(scope="module")
 def fp8_file():
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     return NanoqwenFile.open(packed_synthetic("tiny", weights="fp8"))
 
 
 @pytest.fixture(scope="module")
 def ref(fp8_file):
     import cupy as cp
-    from nanoqwen_lib.reference import ReferenceModel
+    from nanoqwen_lib.model.reference import ReferenceModel
     return ReferenceModel(fp8_file.dims, fp8_file.model_tensors(), xp=cp)
 
 
@@ -39,7 +39,7 @@ def _prompt(rng, n):
 
 @pytest.mark.parametrize("layer", [0, 1])
 def test_fp8_decode_layer_matches_reference(fp8_file, layer):
-    from nanoqwen_lib.engine import gpu_backend
+    from nanoqwen_lib.gpu.engine import gpu_backend
 
     rng = np.random.default_rng(40 + layer)
     eng = gpu_backend(fp8_file, max_tokens=256)
@@ -54,8 +54,8 @@ def test_fp8_prefill_matches_reference(fp8_file, ref, n):
 
 
 def test_fp8_greedy_tokens_match_reference(fp8_file, ref):
-    from nanoqwen_lib.engine import gpu_backend
-    from nanoqwen_lib.validate import greedy_agreement
+    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.measure.validate import greedy_agreement
     rng = np.random.default_rng(9)
     prompts = [_prompt(rng, n) for n in (3, 16, 33)]
     a = greedy_agreement(gpu_backend(fp8_file, max_tokens=256), ref, prompts, 32)
@@ -64,7 +64,7 @@ def test_fp8_greedy_tokens_match_reference(fp8_file, ref):
 
 
 def test_fp8_graph_replay_identical_to_eager(fp8_file):
-    from nanoqwen_lib.engine import gpu_backend
+    from nanoqwen_lib.gpu.engine import gpu_backend
     rng = np.random.default_rng(16)
     prompt = _prompt(rng, 16)
     eng = gpu_backend(fp8_file, max_tokens=256)

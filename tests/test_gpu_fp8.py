@@ -21,12 +21,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoqwen_lib import quant
+from nanoqwen_lib.format import quant
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from nanoqwen_lib import ops_fp8  # noqa: E402
+from nanoqwen_lib.gpu import ops_fp8  # noqa: E402
 from .gpu_cases import SHAPES_7B, TINY16, U16  # noqa: E402
 
 FINITE_CODES = np.flatnonzero(np.isfinite(quant.E4M3_VALUES)).astype(np.uint8)

@@ -27,12 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from nanoqwen_lib import quant
+from nanoqwen_lib.format import quant
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from nanoqwen_lib import ops_gemv  # noqa: E402
+from nanoqwen_lib.gpu import ops_gemv  # noqa: E402
 from .gpu_cases import SHAPES_7B, TINY16, U16, rand_int4
 
 ODD = [(n, k) for n in (1, 7, 130, 1000) for k in (128, 384, 1152)]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from nanoqwen_lib.cuda_build import have_gpu
+from nanoqwen_lib.gpu.cuda_build import have_gpu
 from nanoqwen_lib.errors import LimitError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs a CUDA GPU")]
@@ -10,15 +10,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs 
 
 @pytest.fixture(scope="module")
 def tiny_file():
-    from nanoqwen_lib.synthetic import packed_synthetic_direct
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.synthetic.packed import packed_synthetic_direct
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     return NanoqwenFile.open(packed_synthetic_direct("tiny"), verify_payload=False)
 
 
 def test_arena_larger_than_the_gpu_is_refused_with_sizes(tiny_file):
     import cupy as cp
-    from nanoqwen_lib.arena import DeviceArena
-    from nanoqwen_lib.engine import plan_arena
+    from nanoqwen_lib.gpu.arena import DeviceArena
+    from nanoqwen_lib.gpu.engine import plan_arena
     free, _ = cp.cuda.runtime.memGetInfo()
     plan = plan_arena(tiny_file.dims, 16)
     plan.add("too.big", np.uint8, (free + (1 << 30),))    # more than the device has free
@@ -28,8 +28,8 @@ def test_arena_larger_than_the_gpu_is_refused_with_sizes(tiny_file):
 
 
 def test_sequence_beyond_the_kv_pool_refused_before_work(tiny_file):
-    from nanoqwen_lib.engine import GpuBackend
-    from nanoqwen_lib.generate import generate_ids
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.model.generate import generate_ids
     eng = GpuBackend(tiny_file, max_tokens=64)
     with pytest.raises(LimitError) as ei:
         list(generate_ids(eng, [1] * 60, 10))

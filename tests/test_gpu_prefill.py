@@ -24,18 +24,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoqwen_lib import config, kvcache, quant
-from nanoqwen_lib import reference as ref
+from nanoqwen_lib import config
+from nanoqwen_lib.model import kvcache
+from nanoqwen_lib.format import quant
+from nanoqwen_lib.model import reference as ref
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from nanoqwen_lib import cuda_build  # noqa: E402
+from nanoqwen_lib.gpu import cuda_build  # noqa: E402
 
 if not cuda_build.have_gpu():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from nanoqwen_lib import ops_prefill  # noqa: E402
+from nanoqwen_lib.gpu import ops_prefill  # noqa: E402
 from .gpu_cases import SHAPES_7B, TINY16, U16
 from .gpu_cases import rand_int4 as rand_int4_host
 

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from nanoqwen_lib import config, cuda_build
+from nanoqwen_lib import config
+from nanoqwen_lib.gpu import cuda_build
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -75,7 +76,7 @@ def test_variant_line_parses():
 def test_tuned_table_is_built_and_consistent():
     """Every (tuning, ksplit) the launcher picks for the 7B shapes is a compiled variant
     above (so CI checked it for spills) and fits one CTA's shared memory."""
-    from nanoqwen_lib import ops_gemv
+    from nanoqwen_lib.gpu import ops_gemv
 
     built = [{}] + [{k: int(v) for k, v in d.items()} for d in variants("gemv_int4")]
     for (fn, n, k), (tuning, ksplit) in ops_gemv.tuned_table().items():
@@ -95,7 +96,7 @@ def test_sass_of_the_hot_loops():
     import collections
     if cuda_build.nvdisasm_path() is None:
         pytest.skip("nvdisasm not installed (the cuda13 extra brings it)")
-    from nanoqwen_lib import ops_gemv
+    from nanoqwen_lib.gpu import ops_gemv
     loops = cuda_build.sass_loops(cuda_build.sass("gemv_int4", None, dict(ops_gemv.GEMV_TUNING)), "nq_gemv_int4")
     main = max(loops, key=len)
     count = collections.Counter(main)

@@ -13,10 +13,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nanoqwen_lib import kvcache
+from nanoqwen_lib.model import kvcache
 from nanoqwen_lib.config import load
 from nanoqwen_lib.errors import LimitError
-from nanoqwen_lib.kvcache import PAGE_TOKENS, PageAllocator, PageTable
+from nanoqwen_lib.model.kvcache import PAGE_TOKENS, PageAllocator, PageTable
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402

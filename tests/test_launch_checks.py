@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nanoqwen_lib.errors import NanoqwenError
-from nanoqwen_lib.launch_checks import check_device_buffer, check_no_alias, device_ptr
+from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, device_ptr
 
 
 class FakeDeviceArray:
@@ -51,7 +51,7 @@ def test_alias_and_optional_pointers():
 
 
 def test_ops_modules_route_through_the_shared_checks():
-    from nanoqwen_lib import ops_gemv, ops_prefill
+    from nanoqwen_lib.gpu import ops_gemv, ops_prefill
     bad = FakeDeviceArray((8,), np.float32, 128)
     for mod in (ops_gemv, ops_prefill):
         with pytest.raises(NanoqwenError) as ei:

@@ -14,16 +14,18 @@ import functools
 import numpy as np
 import pytest
 
-from nanoqwen_lib import cuda_build, layout, reference as ref
+from nanoqwen_lib.gpu import cuda_build
+from nanoqwen_lib.format import layout
+from nanoqwen_lib.model import reference as ref
 from nanoqwen_lib.config import load
 from nanoqwen_lib.errors import ConfigError, FormatError, LimitError
-from nanoqwen_lib.quant import dequantize_int4, pack_int4_value_shuffle, quantize_int4_groupwise
+from nanoqwen_lib.format.quant import dequantize_int4, pack_int4_value_shuffle, quantize_int4_groupwise
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2 import modeling_qwen2 as hf_qwen2  # noqa: E402
 
-from nanoqwen_lib.oracle import hf_model  # noqa: E402
+from nanoqwen_lib.model.oracle import hf_model  # noqa: E402
 
 CONFIGS = ("tiny", "tiny-hd64")
 LOGIT_STD = 8.0   # confident logits: top-2 gaps are mostly far above FP16 noise
@@ -373,9 +375,9 @@ def test_decode_batch_is_decode_side_by_side():
     give each sequence the logits and the cache rows of its own decode (up to fp32
     summation order, far below fp16 rounding), and greedy_steps_batch the same tokens as
     greedy_steps prompt by prompt (allowing near-ties)."""
-    from nanoqwen_lib.reference import ReferenceModel, argmax_and_gap
-    from nanoqwen_lib.synthetic import packed_synthetic
-    from nanoqwen_lib.weightfile import NanoqwenFile
+    from nanoqwen_lib.model.reference import ReferenceModel, argmax_and_gap
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
     f = NanoqwenFile.open(packed_synthetic("tiny"))
     ref = ReferenceModel(f.dims, f.model_tensors())
     rng = np.random.default_rng(5)

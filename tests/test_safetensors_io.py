@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nanoqwen_lib.errors import CheckpointError
-from nanoqwen_lib.safetensors_io import (SafetensorsWriter, bf16_bits, load_tensor, read_header,
+from nanoqwen_lib.format.safetensors_io import (SafetensorsWriter, bf16_bits, load_tensor, read_header,
                                          write_safetensors)
 
 torch = pytest.importorskip("torch")

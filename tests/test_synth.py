@@ -9,13 +9,13 @@ import re
 import numpy as np
 import pytest
 
-from nanoqwen_lib import cache, synth
-from nanoqwen_lib.checkpoint import INDEX, Checkpoint
+from nanoqwen_lib.synthetic import cache, checkpoint as synth
+from nanoqwen_lib.format.checkpoint import INDEX, Checkpoint
 from nanoqwen_lib.config import load
-from nanoqwen_lib.layout import hf_tensors
-from nanoqwen_lib.synth import (CHUNK_ELEMS, _chunks, _write_shard, generate_chunk, plan_shards,
+from nanoqwen_lib.format.layout import hf_tensors
+from nanoqwen_lib.synthetic.checkpoint import (CHUNK_ELEMS, row_chunks, write_shard, generate_chunk, plan_shards,
                                 synthesize_dims, tensor_recipe)
-from nanoqwen_lib.tokenizer import QwenTokenizer, hf_tokenizer_files
+from nanoqwen_lib.format.tokenizer import QwenTokenizer, hf_tokenizer_files
 
 TINY = synthesize_dims("tiny")
 
@@ -56,7 +56,7 @@ def test_deterministic_and_independent_of_threads(tiny_dir, tmp_path):
     k = min(range(len(shards)), key=lambda i: sum(math.prod(s) for s in shards[i].values()))
     name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
     with ThreadPoolExecutor(1) as pool, tqdm(disable=True) as bar:   # one worker, window 1
-        _write_shard(tmp_path / name, shards[k], TINY, 0, pool, 1, bar)
+        write_shard(tmp_path / name, shards[k], TINY, 0, pool, 1, bar)
     assert (tmp_path / name).read_bytes() == (tiny_dir / name).read_bytes()
     a = generate_chunk("model.norm.weight", TINY, 0, (TINY.hidden,), 0, 0, TINY.hidden)
     b = generate_chunk("model.norm.weight", TINY, 1, (TINY.hidden,), 0, 0, TINY.hidden)
@@ -91,7 +91,7 @@ def test_7b_plan_streams_in_bounded_memory():
     assert len(shards) == 4 and max(sizes) <= synth.MAX_SHARD_BYTES
     assert sum(sizes) == sum(2 * math.prod(s) for s in hf_tensors(dims).values())   # 15.2 GB
     for name, shape in hf_tensors(dims).items():   # no chunk larger than CHUNK_ELEMS values
-        chunks = _chunks(shape)
+        chunks = row_chunks(shape)
         assert chunks[0][0] == 0 and chunks[-1][1] == shape[0]
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
         assert max((r1 - r0) * math.prod(shape[1:]) for r0, r1 in chunks) <= max(CHUNK_ELEMS, shape[-1])

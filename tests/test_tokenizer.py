@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from nanoqwen_lib.config import load
 from nanoqwen_lib.errors import CheckpointError, LimitError
-from nanoqwen_lib.tokenizer import QwenTokenizer, StreamDecoder, hf_tokenizer_files, qwen_tiktoken_path
+from nanoqwen_lib.format.tokenizer import QwenTokenizer, StreamDecoder, hf_tokenizer_files, qwen_tiktoken_path
 
 SPEC = load().tokenizer
 SYSTEM = SPEC.default_system

@@ -3,7 +3,7 @@ diverge where the reference was sure."""
 import numpy as np
 
 from nanoqwen_lib.config import load
-from nanoqwen_lib.validate import greedy_agreement, teacher_forced, validation_prompts
+from nanoqwen_lib.measure.validate import greedy_agreement, teacher_forced, validation_prompts
 
 V = load().validation
 
@@ -144,7 +144,7 @@ def test_a_large_logit_error_fails_whatever_the_tokens():
 def test_batched_reference_streams_match_the_lazy_ones():
     """reference_streams with batch > 1 hands each prompt the same steps, in prompt order,
     as the prompt-by-prompt path (a scripted reference with greedy_steps_batch)."""
-    from nanoqwen_lib.validate import reference_streams
+    from nanoqwen_lib.measure.validate import reference_streams
 
     class Batched(Scripted):
         def greedy_steps_batch(self, prompts, n):

@@ -23,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanoqwen_lib import kvcache  # noqa: E402
+from nanoqwen_lib.model import kvcache  # noqa: E402
 from nanoqwen_lib.config import load  # noqa: E402
-from nanoqwen_lib.ops_attention import AttentionWorkspace, kernels  # noqa: E402
-from nanoqwen_lib.timing import measure_read_ceiling, time_cuda  # noqa: E402
+from nanoqwen_lib.gpu.ops_attention import AttentionWorkspace, kernels  # noqa: E402
+from nanoqwen_lib.measure.timing import measure_read_ceiling, time_cuda  # noqa: E402
 
 ROTATION_BYTES = 256 << 20
 

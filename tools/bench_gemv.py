@@ -19,7 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cupy as cp  # noqa: E402
 
-from nanoqwen_lib import config, layout, ops_gemv, timing  # noqa: E402
+from nanoqwen_lib import config  # noqa: E402
+from nanoqwen_lib.format import layout
+from nanoqwen_lib.gpu import ops_gemv
+from nanoqwen_lib.measure import timing
 
 DIMS = config.load().model("7b")
 SHAPES = layout.decode_gemv_shapes(DIMS)
@@ -253,7 +256,7 @@ def main():
             bench_shape(name, *SHAPES[name], ceiling, l2, True, bulk_only=True)
         print_rows()
         if args.out:
-            from nanoqwen_lib import bench
+            from nanoqwen_lib.measure import bench
             bench.write_json({"what": "tools/bench_gemv.py --bulk-only (graph replay, medians, weights rotating "
                               "through 3x the L2)", "gpu": bench.gpu_conditions()["gpu"],
                               "git_commit": bench.git_commit(), "ceiling_tbps": ceiling, "rows": ROWS}, args.out)

@@ -22,7 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanoqwen_lib import config, kvcache, layout, ops_prefill  # noqa: E402
+from nanoqwen_lib import config  # noqa: E402
+from nanoqwen_lib.model import kvcache
+from nanoqwen_lib.format import layout
+from nanoqwen_lib.gpu import ops_prefill
 
 PEAK_TFLOPS = 790.0
 READ_TBPS = 4.5
@@ -150,7 +153,7 @@ def bench_fp8_gemms(dims, t, rng, warmup, reps):
     gemm_fp8 on each implementation (mma_sync: FP16 HMMA after an unpack, as ptxas lowers E4M3
     mma.sync on sm_90; wgmma: QGMMA on sm_90a). Weight bytes are one per weight."""
     import cupy as cp
-    from nanoqwen_lib import ops_fp8
+    from nanoqwen_lib.gpu import ops_fp8
     rows = []
     for proj, (n, k) in layout.decode_gemv_shapes(dims).items():
         codes = cp.asarray(rng.integers(0, 0x7F, size=(n, k), dtype=np.uint8) | (rng.integers(0, 2, size=(n, k),
@@ -214,7 +217,7 @@ def main(argv=None):
         for r in rows:
             print(f"{r['op']:28s} {r['us']:9.1f} {r['tflops']:8.1f} {r['pct_peak']:6.1f} {r['gbs']:7.0f} {r['pct_bw']:5.1f}")
         if args.json:
-            from nanoqwen_lib import bench
+            from nanoqwen_lib.measure import bench
             bench.write_json({"tokens": t, "rows": rows, "gpu": bench.gpu_conditions()["gpu"],
                               "git_commit": bench.git_commit(), "warmup": args.warmup, "reps": args.reps}, args.json)
         return

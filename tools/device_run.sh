@@ -11,15 +11,15 @@ for what in "$@"; do
     gpu-tests) python3 -m pytest -m gpu -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu-tests.log | tail -25 ;;
     engine) python3 -m pytest -q -rfE tests/test_gpu_engine.py 2>&1 | tee $OUT/engine.log | tail -25 ;;
     bench-fp8)
-      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b', weights='fp8'))")
+      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b', weights='fp8'))")
       python3 -m nanoqwen_lib bench "$f" --no-verify --breakdown --json $OUT/bench-fp8.json 2>&1 | tee $OUT/bench-fp8.log | grep -v '^\[' ;;
     fp8-engine) timeout 400 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/test_gpu_engine_fp8.py 2>&1 | tee $OUT/fp8-engine.log | grep -E "error|passed|failed|Error|fp8 tiny" | tail -30 ;;
     bench|bench-peers)
-      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b'))")
+      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b'))")
       peers=""; [ $what = bench-peers ] && peers=--peers
       python3 -m nanoqwen_lib bench "$f" --no-verify --breakdown $peers --json $OUT/$what.json 2>&1 | tee $OUT/$what.log | grep -v '^\[' ;;
     cli)
-      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic as p; print(p('tiny'))")
+      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic as p; print(p('tiny'))")
       { python3 -m nanoqwen_lib generate "$f" --prompt "def quicksort(xs):" --max-new-tokens 24 --backend gpu --ignore-eos
         echo "exit $?"
         python3 -m nanoqwen_lib generate "$f" --prompt-ids 1,2,3 --max-new-tokens 40000 --backend gpu; echo "exit $?"
@@ -49,13 +49,13 @@ for what in "$@"; do
     validate-7b)
       # The graph stage on the 7B: VALIDATE_PROMPTS prompts (default all 100), the reference decoding
       # VALIDATE_BATCH prompts at once (default 1, prompt by prompt); the full JSON comes back.
-      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic_direct as p; print(p('7b'))")
+      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b'))")
       t0=$(date +%s)
       python3 -m nanoqwen_lib validate "$f" --no-verify --stages graph ${VALIDATE_PROMPTS:+--prompts $VALIDATE_PROMPTS} ${VALIDATE_BATCH:+--reference-batch $VALIDATE_BATCH} \
         --json $OUT/validate-7b.json 2>&1 | tee $OUT/validate-7b.log | tail -4
       echo "validate-7b: $(( $(date +%s) - t0 )) s" ;;
     validate-tiny)
-      f=$(python3 -c "from nanoqwen_lib.synthetic import packed_synthetic as p; print(p('tiny'))")
+      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic as p; print(p('tiny'))")
       python3 -m nanoqwen_lib validate "$f" --stages graph 2>&1 | tee $OUT/validate-tiny.log | tail -3 ;;
     nbval)
       t0=$(date +%s)

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from nanoqwen_lib.config import load  # noqa: E402
-from nanoqwen_lib.engine import GpuBackend  # noqa: E402
-from nanoqwen_lib.synthetic import packed_synthetic_direct  # noqa: E402
-from nanoqwen_lib.weightfile import NanoqwenFile  # noqa: E402
+from nanoqwen_lib.gpu.engine import GpuBackend  # noqa: E402
+from nanoqwen_lib.synthetic.packed import packed_synthetic_direct  # noqa: E402
+from nanoqwen_lib.format.weightfile import NanoqwenFile  # noqa: E402
 
 STEPS = 2    # the first eager step warms every module; the second is the one to read
 

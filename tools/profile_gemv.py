@@ -16,7 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cupy as cp  # noqa: E402
 
-from nanoqwen_lib import config, layout, ops_gemv  # noqa: E402
+from nanoqwen_lib import config  # noqa: E402
+from nanoqwen_lib.format import layout
+from nanoqwen_lib.gpu import ops_gemv
 
 SHAPES = layout.decode_gemv_shapes(config.load().model("7b"))
 

@@ -23,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanoqwen_lib import kvcache  # noqa: E402
+from nanoqwen_lib.model import kvcache  # noqa: E402
 from nanoqwen_lib.config import load  # noqa: E402
-from nanoqwen_lib.ops_attention import (AttentionKernels, AttentionWorkspace, attention_ref_f64,  # noqa: E402
-                                        attention_tolerance, random_paged_case)
+from nanoqwen_lib.gpu.ops_attention import AttentionKernels, AttentionWorkspace  # noqa: E402
+from nanoqwen_lib.model.kvcache import attention_ref_f64, attention_tolerance, random_paged_case  # noqa: E402
 
 
 def decode_step(kern: AttentionKernels, ws: AttentionWorkspace, ctx: int, rng) -> tuple[bool, float]:

@@ -27,7 +27,7 @@ def configs(module: str) -> list[dict]:
     every tuned-table entry and the fallback."""
     if module != "gemv_int4":
         return [{}]
-    from nanoqwen_lib import ops_gemv
+    from nanoqwen_lib.gpu import ops_gemv
     out = [dict(ops_gemv.GEMV_TUNING), {**ops_gemv.GEMV_TUNING, **ops_gemv.GEMV_FALLBACK}]
     for tuning, _ in ops_gemv.tuned_table().values():
         out.append({**ops_gemv.GEMV_TUNING, **tuning})
@@ -36,7 +36,8 @@ def configs(module: str) -> list[dict]:
 
 def dump(modules: list[str], config_source: dict) -> dict:
     """{module|config|kernel: [normalized instructions]} of this checkout (sys.path[0])."""
-    from nanoqwen_lib import config, cuda_build
+    from nanoqwen_lib import config
+    from nanoqwen_lib.gpu import cuda_build
     dims = config.load().model("7b")
     out = {}
     for module in modules:

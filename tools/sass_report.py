@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanoqwen_lib import cuda_build  # noqa: E402
+from nanoqwen_lib.gpu import cuda_build  # noqa: E402
 
 
 def main() -> None:

@@ -1,0 +1,21 @@
+"""`nanoqwen inspect`: the header and tensor table of a validated file, as text."""
+from __future__ import annotations
+
+from nanoqwen_lib.format.fileformat import HEADER_FIELDS
+
+
+def describe(f, tensors: bool = True) -> str:
+    h = f.header.fields
+    lines = [f"{f.path}  ({h['file_bytes']:,} bytes, payload CRCs "
+             f"{'verified' if f.payload_verified else 'not checked'})", "", "header:"]
+    for name, _, meaning in HEADER_FIELDS:
+        v = h[name]
+        v = v.decode() if isinstance(v, bytes) else (f"{v:#010x}" if name.endswith("crc32") else v)
+        lines.append(f"  {name:<16} {str(v):<14} {meaning}")
+    if tensors:
+        lines += ["", f"tensors ({len(f.entries)}):",
+                  f"  {'name':<52} {'dtype':<7} {'shape':<16} {'offset':>14} {'bytes':>12}  crc32"]
+        for e in f.entries:
+            lines.append(f"  {e.name:<52} {e.dtype.name:<7} {str(e.shape):<16} {e.offset:>14,} "
+                         f"{e.nbytes:>12,}  {e.crc32:#010x}")
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Which tensors a model has, by name, dtype and shape: the one list every piece agrees on.
+
+Names follow Hugging Face's Qwen2 checkpoints. The seven projections of each layer become
+two tensors in a .nanoqwen file, by the file's weight encoding (its header's layout_id):
+
+    int4 (layout 1, the default)  `<proj>.qweight` uint32 [out, in/8] (ValueShuffle INT4),
+                                  `<proj>.scales` fp16 [out, in/group]
+    fp8  (layout 2)               `<proj>.qweight` uint8 [out, in] (E4M3 codes, `in`
+                                  contiguous: the K-major operand order of the FP8 MMA),
+                                  `<proj>.scales` fp32 [out] (one per output row)
+
+Everything else stays FP16 under its HF name. `fp16` (the projections unquantized, under
+their HF names) exists for the reference model only, never in a file.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nanoqwen_lib.config import ModelDims, load
+
+FP16 = np.dtype("<f2")
+FP32 = np.dtype("<f4")
+UINT32 = np.dtype("<u4")
+UINT8 = np.dtype("u1")
+# Weight encodings a .nanoqwen file may carry: name -> header layout_id.
+ENCODINGS = {"int4": load().format.layout_id, "fp8": load().format.fp8_layout_id}
+ENCODING_OF_LAYOUT = {v: k for k, v in ENCODINGS.items()}
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def hf_tensors(dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face Qwen2ForCausalLM checkpoint: name -> shape."""
+    t = {"model.embed_tokens.weight": (dims.vocab, dims.hidden)}
+    for i in range(dims.num_layers):
+        p = layer_prefix(i)
+        t[p + "input_layernorm.weight"] = (dims.hidden,)
+        t[p + "post_attention_layernorm.weight"] = (dims.hidden,)
+        for proj, (out_f, in_f) in dims.projections().items():
+            t[p + proj + ".weight"] = (out_f, in_f)
+        t[p + "self_attn.q_proj.bias"] = (dims.q_dim,)
+        t[p + "self_attn.k_proj.bias"] = (dims.kv_dim,)
+        t[p + "self_attn.v_proj.bias"] = (dims.kv_dim,)
+    t["model.norm.weight"] = (dims.hidden,)
+    if not dims.tie_embeddings:
+        t["lm_head.weight"] = (dims.vocab, dims.hidden)
+    return t
+
+
+def is_quantized(hf_name: str) -> bool:
+    """True for the weight of one of the seven INT4 projections."""
+    return hf_name.endswith("_proj.weight")
+
+
+def packed_tensors(dims: ModelDims, encoding: str = "int4") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every tensor of a .nanoqwen file with this weight encoding, in file order:
+    name -> (dtype, shape)."""
+    g = load().format.group_size
+    if encoding not in (*ENCODINGS, "fp16"):
+        raise ValueError(f"weight encoding {encoding!r}: one of {sorted(ENCODINGS)} (or fp16, unquantized)")
+    out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+    for name, shape in hf_tensors(dims).items():
+        if is_quantized(name) and encoding != "fp16":
+            base = name[: -len(".weight")]
+            out_f, in_f = shape
+            if encoding == "int4":
+                out[base + ".qweight"] = (UINT32, (out_f, in_f // 8))
+                out[base + ".scales"] = (FP16, (out_f, in_f // g))
+            else:
+                out[base + ".qweight"] = (UINT8, (out_f, in_f))
+                out[base + ".scales"] = (FP32, (out_f,))
+        else:
+            out[name] = (FP16, shape)
+    return out
+
+
+def encoding_of(tensors) -> str:
+    """The weight encoding of a tensor mapping (a file's, or HF names for fp16), from the
+    first projection it holds."""
+    name = layer_prefix(0) + "self_attn.q_proj."
+    if name + "weight" in tensors:
+        return "fp16"
+    qweight = tensors.get(name + "qweight") if hasattr(tensors, "get") else None
+    if qweight is None:
+        return "int4"                       # check_tensors then names what is missing
+    return "fp8" if np.dtype(qweight.dtype) == UINT8 else "int4"
+
+
+def packed_tensor_count(dims: ModelDims) -> int:
+    """len(packed_tensors(dims)), by arithmetic (a hostile header's num_layers must not make
+    the reader build a list of billions of names): embed, final norm, lm_head when untied,
+    and per layer 2 norms + 3 biases + 7 projections x (qweight, scales)."""
+    return 2 + (0 if dims.tie_embeddings else 1) + dims.num_layers * (2 + 3 + 2 * len(dims.projections()))
+
+
+def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0, encoding: str = "int4") -> dict[str, int]:
+    """What one decode token must read from device memory, by kind (batch 1). The key
+    "int4_weights" holds the projections' codes whatever the encoding (FP8: a byte each)."""
+    g = load().format.group_size
+    kvb = load().kv_cache.dtype_bytes
+    int4 = scales = 0
+    for out_f, in_f in dims.projections().values():
+        if encoding == "fp8":
+            int4 += out_f * in_f * dims.num_layers
+            scales += out_f * 4 * dims.num_layers
+        else:
+            int4 += out_f * in_f // 2 * dims.num_layers
+            scales += out_f * (in_f // g) * 2 * dims.num_layers
+    small = dims.num_layers * (2 * dims.hidden + dims.qkv_dim) * 2 + dims.hidden * 2
+    return {
+        "int4_weights": int4,
+        "scales": scales,
+        "lm_head_fp16": dims.vocab * dims.hidden * 2,
+        "embedding_row": dims.hidden * 2,
+        "norms_and_biases": small,
+        "kv_cache": 2 * dims.num_layers * dims.kv_dim * kvb * context_tokens,
+    }
+
+
+def decode_gemv_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
+    """The four INT4 GEMVs of a layer as the engine launches them: name -> (N, K).
+    q/k/v are stacked into one qkv matrix and gate/up into one gate_up matrix."""
+    h, i = dims.hidden, dims.intermediate
+    return {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * i, h), "down": (h, i)}
+
+
+def decode_region_bytes(dims: ModelDims, context_tokens: int, encoding: str = "int4") -> dict[str, int]:
+    """Weight and K/V bytes each region of a decode token must read (the regions of
+    GpuBackend.step_launches; activations left out, as in bytes_per_decode_token, whose
+    total this matches): the floor of each region is its bytes over the read ceiling."""
+    g, L = load().format.group_size, dims.num_layers
+    if encoding == "fp8":        # one byte per weight, one fp32 scale per row
+        int4 = {name: n * k + 4 * n for name, (n, k) in decode_gemv_shapes(dims).items()}
+    else:
+        int4 = {name: n * k // 2 + n * (k // g) * 2 for name, (n, k) in decode_gemv_shapes(dims).items()}
+    kvb = load().kv_cache.dtype_bytes
+    return {
+        "embed": dims.hidden * 2,
+        "norms": L * 2 * dims.hidden * 2 + dims.hidden * 2,
+        "qkv_gemv": L * (int4["qkv"] + dims.qkv_dim * 2),
+        "rope_append_kv": 0,
+        "paged_attention": 2 * L * dims.kv_dim * kvb * context_tokens,
+        "o_proj": L * int4["o_proj"],
+        "gate_up_gemv": L * int4["gate_up"],
+        "swiglu_down": L * int4["down"],
+        "lm_head+argmax": dims.vocab * dims.hidden * 2,
+        "step bookkeeping": 0,
+    }
+
+
+def prefill_flops(dims: ModelDims, tokens: int) -> dict[str, int]:
+    """FLOPs of a `tokens`-token prefill: every projection for every row (2 per weight),
+    causal attention (QK^T and PV over the triangle, per layer and head), lm_head for the
+    last row only (only its logits choose the first token)."""
+    proj = sum(n * k for n, k in dims.projections().values()) * dims.num_layers
+    attn = dims.num_layers * dims.num_heads * 2 * 2 * dims.head_dim * tokens * (tokens + 1) // 2
+    return {"projections": 2 * proj * tokens, "attention": attn, "lm_head (last row)": 2 * dims.vocab * dims.hidden}

@@ -1,0 +1,188 @@
+"""Compiling the kernels: one set of options, two paths.
+
+* `compile_cubin` runs NVRTC directly (cupy_backends.cuda.libs.nvrtc). It needs no GPU, so
+  CI compiles every kernel and variant for sm_90 with exactly the runtime's options and
+  reads the register / spill report from the CUBIN.
+* `load_module` gives a cupy.RawModule (GPU only) built from the same source and options.
+
+Constants reach the kernels as -D defines from nanoqwen.yaml (config.cuda_defines); the
+`static_assert`s in kernels/common.cuh guard the invariants at compile time.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import site
+import struct
+from pathlib import Path
+
+from nanoqwen_lib.config import ModelDims, cuda_defines
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+ARCH = "sm_90"
+
+
+def _cuda_include_dirs() -> list[str]:
+    """Headers NVRTC needs: cuda_fp16.h (nvidia/cu13/include from cupy's [ctk] extra, or a
+    CUDA toolkit) and the libcu++ CuPy bundles."""
+    dirs = []
+    roots = list(site.getsitepackages()) + [site.getusersitepackages()]
+    for root in roots:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+            p = Path(root) / sub
+            if (p / "cuda_fp16.h").exists():
+                dirs.append(str(p))
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            p = Path(os.environ[env]) / "include"
+            if (p / "cuda_fp16.h").exists():
+                dirs.append(str(p))
+    if Path("/usr/local/cuda/include/cuda_fp16.h").exists():
+        dirs.append("/usr/local/cuda/include")
+    try:
+        import cupy
+        cccl = Path(cupy.__file__).parent / "_core/include/cupy/_cccl/libcudacxx"
+        if cccl.exists():
+            dirs.append(str(cccl))
+    except ImportError:
+        pass
+    return list(dict.fromkeys(dirs))
+
+
+def kernel_arch(name: str) -> str:
+    """The target of kernels/<name>.cu: ARCH, or what its `// nq-arch: sm_90a` line names
+    (wgmma and setmaxnreg exist only on the architecture-specific sm_90a target)."""
+    for line in kernel_source(name).splitlines()[:20]:
+        stripped = line.strip()
+        if stripped.startswith("// nq-arch:"):
+            return stripped.split(":", 1)[1].strip()
+    return ARCH
+
+
+def compile_options(dims: ModelDims | None = None, extra_defines: dict | None = None,
+                    include_cuda: bool = True, arch: str = ARCH) -> tuple[str, ...]:
+    """The exact NVRTC options of the runtime (CPU check and GPU load share them)."""
+    defines = dict(cuda_defines(dims))
+    defines.update(extra_defines or {})
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", f"-I{KERNEL_DIR}"]
+    if include_cuda:
+        opts += [f"-I{d}" for d in _cuda_include_dirs()]
+    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    return tuple(opts)
+
+
+def kernel_source(name: str) -> str:
+    """kernels/<name>.cu with common.cuh resolved by the -I path."""
+    return (KERNEL_DIR / f"{name}.cu").read_text()
+
+
+def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None,
+                  name_expressions: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """Compile kernels/<name>.cu for its target (sm_90, or its nq-arch line) through NVRTC
+    without a GPU. Returns (cubin, log)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    src = kernel_source(name)
+    prog = nvrtc.createProgram(src, f"{name}.cu", [], [])
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        opts = compile_options(dims, extra_defines, arch=kernel_arch(name)) + ("-Xptxas=-v",)
+        try:
+            nvrtc.compileProgram(prog, list(opts))
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise RuntimeError(f"kernels/{name}.cu failed to compile for {ARCH}:\n{log}") from e
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _whole_elf(cubin: bytes) -> bytes:
+    """NVRTC's CUBIN as CuPy returns it can miss trailing bytes of the ELF (its tables end
+    past the buffer); pad it to the length the ELF header implies, for nvdisasm."""
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    need = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\0" * max(0, need - len(cubin))
+
+
+def nvdisasm_path() -> str | None:
+    """nvdisasm: $NVDISASM, PATH, the PyPI wheel `nvidia-cuda-nvdisasm` (the cuda13 extra
+    installs it), or a CUDA toolkit."""
+    import shutil
+    if os.environ.get("NVDISASM"):
+        return os.environ["NVDISASM"]
+    if shutil.which("nvdisasm"):
+        return shutil.which("nvdisasm")
+    for root in list(site.getsitepackages()) + [site.getusersitepackages()]:
+        for sub in ("nvidia/cu13/bin/nvdisasm", "nvidia/cu12/bin/nvdisasm"):
+            if (Path(root) / sub).exists():
+                return str(Path(root) / sub)
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env) and (Path(os.environ[env]) / "bin/nvdisasm").exists():
+            return str(Path(os.environ[env]) / "bin/nvdisasm")
+    return None
+
+
+def sass(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None) -> str:
+    """The SASS of kernels/<name>.cu as the runtime builds it for sm_90 (NVRTC, no GPU),
+    disassembled by nvdisasm."""
+    import subprocess
+    import tempfile
+    tool = nvdisasm_path()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set NVDISASM)")
+    cubin, _ = compile_cubin(name, dims, extra_defines)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(_whole_elf(cubin))
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_loops(sass_text: str, kernel: str) -> list[list[str]]:
+    """The loops of one kernel in `sass` text (a backward branch to a label), each as its
+    list of opcodes with their modifiers (predicates dropped), in program order."""
+    import re
+    start = sass_text.index(f".text.{kernel}:")
+    end = sass_text.find("//----", start)
+    instrs, labels = [], {}
+    for line in sass_text[start:end if end > 0 else None].splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(instrs)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            instrs.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
+    out = []
+    for i, ins in enumerate(instrs):
+        m = re.search(r"BRA\s.*?(\.L_x_\d+)", ins)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            out.append([x.split()[0] for x in instrs[labels[m.group(1)]:i + 1]])
+    return out
+
+
+def resource_report(log: str) -> list[str]:
+    """The ptxas lines of an NVRTC log: registers, shared memory, stack frame, spills."""
+    return [ln.strip() for ln in log.splitlines()
+            if "registers" in ln or "spill" in ln or "Compiling entry" in ln or "stack frame" in ln]
+
+
+@functools.lru_cache(maxsize=None)
+def _load_module_cached(name: str, dims: ModelDims | None, extra: tuple) -> "object":
+    import cupy
+
+    opts = compile_options(dims, dict(extra), include_cuda=True, arch=kernel_arch(name))
+    return cupy.RawModule(code=kernel_source(name), options=opts, backend="nvrtc")
+
+
+def load_module(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None):
+    """cupy.RawModule for kernels/<name>.cu with the runtime's options (needs a GPU)."""
+    return _load_module_cached(name, dims, tuple(sorted((extra_defines or {}).items())))
+
+
+def have_gpu() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False

@@ -1,0 +1,416 @@
+"""The GPU engine: one arena, the paged KV cache, and the decode step, eagerly.
+
+    embed -> L x [rmsnorm, qkv GEMV(+bias), RoPE + append K/V, paged attention,
+                  o_proj GEMV(+residual), rmsnorm, gate/up GEMV, SwiGLU + down GEMV(+residual)]
+          -> rmsnorm -> lm_head GEMV -> argmax
+
+Everything the step needs lives in the arena, including the scalars (token, position,
+context length, slot) and the block table, so the same launches are captured once in a CUDA
+graph per variant (chapter 9) and replayed every token.
+
+Prefill (chapter 8) runs the prompt through the same layers as a batch, in chunks of
+`engine.prefill_chunk_tokens`: INT4 tensor-core GEMMs (ops_prefill), RoPE writing K and V
+straight into the pages, causal attention reading them back from the pages; then the last
+row goes through the final norm and lm_head + argmax, as a decode step would. The simple
+correct prefill, the prompt through the decode step token by token, stays available
+(`prefill="token-by-token"`) as the baseline chapter 8 measures against.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nanoqwen_lib.gpu.arena import ArenaPlan, DeviceArena
+from nanoqwen_lib.config import ModelDims, cuda_defines, load
+from nanoqwen_lib.errors import LimitError
+from nanoqwen_lib.model.generate import check_request
+
+KV = load().kv_cache
+PREFILL_CHUNK = load().engine.prefill_chunk_tokens
+PREFILL_MODES = ("tensor-core", "token-by-token")
+# Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu).
+SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")
+SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
+
+
+def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4") -> ArenaPlan:
+    """Every device buffer of the engine, by name. Weights are re-arranged for the kernels:
+    q/k/v rows are stacked into one qkv matrix and gate/up into one gate_up matrix. The
+    projections' slots follow the file's encoding (INT4 words + fp16 group scales, or FP8
+    codes + fp32 row scales); an FP8 engine adds its activation buffers at the end."""
+    g = load().format.group_size
+    p = ArenaPlan()
+    h, i = dims.hidden, dims.intermediate
+
+    def proj(name: str, n: int, k: int) -> None:
+        if encoding == "fp8":
+            p.add(name + ".qweight", np.uint8, (n, k))
+            p.add(name + ".scales", np.float32, (n,))
+        else:
+            p.add(name + ".qweight", np.uint32, (n, k // 8))
+            p.add(name + ".scales", np.float16, (n, k // g))
+
+    p.add("w.embed", np.float16, (dims.vocab, h))
+    for l in range(dims.num_layers):
+        w = f"w.{l}."
+        p.add(w + "ln1", np.float16, (h,))
+        proj(w + "qkv", dims.qkv_dim, h)
+        p.add(w + "qkv.bias", np.float16, (dims.qkv_dim,))
+        proj(w + "o", h, dims.q_dim)
+        p.add(w + "ln2", np.float16, (h,))
+        proj(w + "gate_up", 2 * i, h)
+        proj(w + "down", h, i)
+    p.add("w.norm", np.float16, (h,))
+    if not dims.tie_embeddings:
+        p.add("w.lm_head", np.float16, (dims.vocab, h))
+    pages = -(-max_tokens // KV.page_tokens)
+    p.add("kv", np.float16, (dims.num_layers, 2, pages, dims.num_kv_heads, KV.page_tokens, dims.head_dim))
+    p.add("a.x", np.float16, (h,))
+    p.add("a.y", np.float16, (h,))
+    p.add("a.qkv", np.float16, (dims.qkv_dim,))
+    p.add("a.q", np.float16, (dims.q_dim,))
+    p.add("a.attn", np.float16, (dims.q_dim,))
+    p.add("a.gate_up", np.float16, (2 * i,))
+    p.add("a.logits", np.float32, (dims.vocab,))
+    c = min(PREFILL_CHUNK, max_tokens)       # prefill activations: one chunk of prompt rows
+    p.add("p.x", np.float16, (c, h))
+    p.add("p.y", np.float16, (c, h))
+    p.add("p.qkv", np.float16, (c, dims.qkv_dim))
+    p.add("p.q", np.float16, (c, dims.num_heads, dims.head_dim))
+    p.add("p.attn", np.float16, (c, dims.q_dim))
+    p.add("p.gate_up", np.float16, (c, 2 * i))
+    p.add("p.act", np.float16, (c, i))
+    p.add("s.scalars", np.int32, (len(SCALARS) * SCALAR_STRIDE,))
+    p.add("s.block_table", np.int32, (pages,))         # logical page -> physical page
+    p.add("s.free_pages", np.int32, (pages,))          # a stack; the step pops from the top
+    p.add("s.generated", np.int32, (pages * KV.page_tokens,))  # argmax after each position
+    p.add("s.prompt", np.int32, (pages * KV.page_tokens,))     # the prompt's ids (prefill)
+    if encoding == "fp8":
+        p.add("a.act", np.float16, (i,))                        # decode: silu(g) * u for the down GEMV
+        p.add("p.xq", np.uint8, (c * max(h, dims.q_dim, i),))   # prefill: E4M3 activations [T, K]
+        p.add("p.ts", np.float32, (c,))                         # ... and their per-token scales
+    return p
+
+
+def weight_sources(dims: ModelDims) -> list[tuple[str, str, int]]:
+    """(file tensor, arena slot, first row) for every weight upload."""
+    out = [("model.embed_tokens.weight", "w.embed", 0), ("model.norm.weight", "w.norm", 0)]
+    if not dims.tie_embeddings:
+        out.append(("lm_head.weight", "w.lm_head", 0))
+    for l in range(dims.num_layers):
+        f, w = f"model.layers.{l}.", f"w.{l}."
+        out += [(f + "input_layernorm.weight", w + "ln1", 0),
+                (f + "post_attention_layernorm.weight", w + "ln2", 0)]
+        rows = {"q": 0, "k": dims.q_dim, "v": dims.q_dim + dims.kv_dim}
+        for x, r in rows.items():
+            for part in ("qweight", "scales"):
+                out.append((f + f"self_attn.{x}_proj.{part}", w + f"qkv.{part}", r))
+            out.append((f + f"self_attn.{x}_proj.bias", w + "qkv.bias", r))
+        for part in ("qweight", "scales"):
+            out += [(f + f"self_attn.o_proj.{part}", w + f"o.{part}", 0),
+                    (f + f"mlp.gate_proj.{part}", w + f"gate_up.{part}", 0),
+                    (f + f"mlp.up_proj.{part}", w + f"gate_up.{part}", dims.intermediate),
+                    (f + f"mlp.down_proj.{part}", w + f"down.{part}", 0)]
+    return out
+
+
+class GpuBackend:
+    """Greedy decode on the GPU; the backend protocol of generate.py.
+
+    All work is enqueued on one stream. The step's bookkeeping (slot, context length, page
+    allocation on a page boundary, position) runs on the device, so a decode step needs
+    nothing from the host: with `graphs=True` both variants of the step are captured once,
+    at load, and replayed every token.
+    """
+
+    name = "gpu"
+    encoding = "int4"                 # the weight encoding this class's kernels read
+
+    def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
+                 prefill: str = "tensor-core"):
+        if nq_file.encoding != self.encoding:       # refused before anything touches the GPU
+            raise LimitError(nq_file.path, "layout_id", f"the {self.encoding} encoding for {type(self).__name__}",
+                             f"{nq_file.header.layout_id} ({nq_file.encoding})",
+                             "engine.gpu_backend(file) picks the engine for the file's encoding")
+        import cupy as cp
+        from nanoqwen_lib.gpu import ops_attention, ops_gemv, ops_prefill
+        from nanoqwen_lib.gpu.cuda_build import load_module
+        if prefill not in PREFILL_MODES:
+            raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
+        self.cp, self.gemv, self.attn, self.pf = cp, ops_gemv, ops_attention, ops_prefill
+        dims = self.dims = nq_file.dims
+        self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
+        self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding), source=nq_file.path)
+        tensors = nq_file.model_tensors()      # validated before this point (NanoqwenFile.open)
+        for src, dst, row in weight_sources(dims):
+            a.upload(dst, tensors[src], row)
+        self.lm_head = a["w.embed"] if dims.tie_embeddings else a["w.lm_head"]
+        self.scalar = {n: a["s.scalars"][k * SCALAR_STRIDE:k * SCALAR_STRIDE + 1] for k, n in enumerate(SCALARS)}
+        self.staging = cp.cuda.alloc_pinned_memory(a["s.scalars"].nbytes)   # host -> scalars
+        self.host_scalars = np.frombuffer(self.staging, np.int32, a["s.scalars"].size)
+        self.workspace = ops_attention.AttentionWorkspace(dims, self.max_tokens)
+        self.kv = a["kv"]
+        self.pages = a["s.block_table"].size
+        self.chunk = a["p.x"].shape[0]
+        # One pinned slot per position for tokens the host feeds (the prompt): an async copy
+        # reads its source when it runs, so a slot is never rewritten while a copy may be pending.
+        self.token_staging = cp.cuda.alloc_pinned_memory(4 * self.pages * KV.page_tokens)
+        self.host_tokens = np.frombuffer(self.token_staging, np.int32, self.pages * KV.page_tokens)
+        step = load_module("engine_step", dims)
+        self.k_begin, self.k_end = step.get_function("nq_step_begin"), step.get_function("nq_step_end")
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.prefill_mode = prefill
+        self.use_graphs, self.graphs = graphs, None
+        self._steps = {}                 # new_page -> the step's launch list (enqueue_step)
+        self.position = 0
+        if graphs:
+            self.capture_graphs()
+
+    # ------------------------------------------------------------------ host -> device
+    def _upload_scalars(self) -> None:
+        """The one host -> device copy of the scalars: pinned staging, on the engine's stream
+        (the safe pattern: ordered with the kernels, never a pageable or default-stream copy)."""
+        dst = self.arena["s.scalars"]
+        self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, self.staging.ptr, dst.nbytes,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+
+    def reset(self, physical_pages=None, prompt_tokens: int = 0) -> None:
+        """Start a sequence. The free list is popped from the top, so logical page i gets
+        physical page physical_pages[i] (default in order; tests pass a permutation).
+        With prompt_tokens > 0 (the batched prefill) the prompt's pages are taken here, as
+        the device would have popped them, and the step state is the prompt's last position."""
+        pages = np.arange(self.pages) if physical_pages is None else np.asarray(physical_pages)
+        assert sorted(pages.tolist()) == list(range(self.pages)), "a permutation of the pool's pages"
+        taken = -(-prompt_tokens // KV.page_tokens)
+        table = np.full(self.pages, -1, np.int32)                # unallocated: never a valid page
+        table[:taken] = pages[:taken]
+        self.stream.synchronize()      # nothing of a previous sequence still reads the staging
+        with self.stream:
+            self.arena["s.free_pages"].set(pages[::-1].astype(np.int32), stream=self.stream)
+            self.arena["s.block_table"].set(table, stream=self.stream)
+            self.arena["s.generated"].fill(-1)
+        self.host_scalars[:] = 0
+        self.host_scalars[SCALARS.index("free_top") * SCALAR_STRIDE] = self.pages - taken
+        self.host_scalars[SCALARS.index("position") * SCALAR_STRIDE] = max(prompt_tokens - 1, 0)
+        self._upload_scalars()
+        self.position = 0
+
+    # ------------------------------------------------------------------ one step
+    def step_launches(self, new_page: bool) -> list[tuple[str, object]]:
+        """The decode step as (region, launch) pairs in order: the one description that the
+        eager step, the graph capture and the ITL breakdown (nanoqwen_lib.measure.breakdown) share."""
+        out = [("step bookkeeping", lambda: self.begin_step(new_page)), ("embed", self.embed_step)]
+        for l in range(self.dims.num_layers):
+            out += self.layer_launches(l)
+        out += self.head_launches()
+        out.append(("step bookkeeping", self.end_step))
+        return out
+
+    def enqueue_step(self, new_page: bool) -> None:
+        """The whole decode step for the token and position in the device scalars. The
+        launch list of each variant is built once (its launches read everything per token
+        from device memory), not per step: ~70 us of host time saved per eager step."""
+        if new_page not in self._steps:
+            self._steps[new_page] = self.step_launches(new_page)
+        for _, launch in self._steps[new_page]:
+            launch()
+
+    def write_token(self, token: int) -> None:
+        """Feed `token` as the input of the step at self.position (host -> device, ordered)."""
+        slot = self.host_tokens[self.position:self.position + 1]
+        slot[0] = token
+        self.cp.cuda.runtime.memcpyAsync(self.scalar["token"].data.ptr, slot.ctypes.data, 4,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+
+    def begin_step(self, new_page: bool) -> None:
+        a = self.arena
+        self.k_begin((1,), (32,), (a["s.scalars"], a["s.block_table"], a["s.free_pages"],
+                                   np.int32(new_page), np.int32(self.pages)))
+
+    def end_step(self) -> None:
+        self.k_end((1,), (32,), (self.arena["s.scalars"], self.arena["s.generated"]))
+
+    def embed_step(self) -> None:
+        self.gemv.embed(self.scalar["token"], self.arena["w.embed"], self.arena["a.x"])
+
+    def layer_launches(self, l: int) -> list[tuple[str, object]]:
+        """One decoder layer on a.x (in place), as (region, launch); this position's K/V are
+        appended to the cache."""
+        a, d, g, at = self.arena, self.dims, self.gemv, self.attn
+        x, y, w = a["a.x"], a["a.y"], f"w.{l}."
+        return [
+            ("norms", lambda: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
+            ("qkv_gemv", lambda: g.gemv_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], a["a.qkv"],
+                                             bias=a[w + "qkv.bias"])),
+            ("rope_append_kv", lambda: at.rope_append_kv(a["a.qkv"], self.scalar["position"], self.scalar["slot"],
+                                                         self.kv[l, 0], self.kv[l, 1], a["a.q"], d)),
+            ("paged_attention", lambda: at.paged_attention(a["a.q"], self.kv[l, 0], self.kv[l, 1], a["s.block_table"],
+                                                           self.scalar["context_len"], a["a.attn"], self.workspace)),
+            ("o_proj", lambda: g.gemv_int4(a["a.attn"], a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)),
+            ("norms", lambda: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
+            ("gate_up_gemv", lambda: g.gemv_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], a["a.gate_up"])),
+            ("swiglu_down", lambda: g.gemv_int4_swiglu(a["a.gate_up"], a[w + "down.qweight"], a[w + "down.scales"],
+                                                       x, residual=x)),
+        ]
+
+    def layer_step(self, l: int) -> None:
+        """One decoder layer on a.x (in place); this position's K/V appended to the cache."""
+        for _, launch in self.layer_launches(l):
+            launch()
+
+    def head_launches(self, x=None) -> list[tuple[str, object]]:
+        """Final norm of x (default the residual stream a.x; the prefill passes its last
+        row), then lm_head with the argmax fused, into the token scalar."""
+        a, g = self.arena, self.gemv
+        x = a["a.x"] if x is None else x
+        return [("norms", lambda: g.rmsnorm(x, a["w.norm"], a["a.y"], self.dims.rms_eps)),
+                ("lm_head+argmax", lambda: g.lm_head(a["a.y"], self.lm_head, a["a.logits"],
+                                                     token_out=self.scalar["token"]))]
+
+    def head_step(self) -> None:
+        for _, launch in self.head_launches():
+            launch()
+
+    def capture_graphs(self) -> None:
+        """Capture the two variants of the step once: mid-page and page boundary (which
+        pops a new page). One eager step first, so that every module is compiled and every
+        workspace allocated before capture (nothing may allocate inside it); then the
+        sequence is reset. The graphs read token, position and pages from device memory, so
+        they are never re-captured."""
+        self.reset()
+        self.launch_step(0)
+        self.graphs = {}
+        for new_page in (False, True):
+            with self.stream:
+                self.stream.begin_capture()
+                self.enqueue_step(new_page)
+                self.graphs[new_page] = self.stream.end_capture()
+            self.graphs[new_page].upload(self.stream)
+        self.reset()
+
+    def launch_step(self, token: int | None = None, replay: bool | None = None) -> None:
+        """Enqueue one step at self.position. token, when given, is written into the device
+        scalar first (the prompt, teacher forcing); replay picks the captured graph over the
+        eager launches: by default when graphs exist and no token is given (the argmax of
+        the previous step is the input), replay=True also with a token (GpuBackend.force)."""
+        if self.position >= self.max_tokens:
+            raise LimitError("<generate>", "sequence length", f"<= {self.max_tokens} tokens (KV pool)",
+                             self.position + 1)
+        new_page = self.position % KV.page_tokens == 0
+        graphs = self.graphs is not None and self.use_graphs
+        if token is not None:
+            self.write_token(token)                   # on self.stream, before the step reads it
+        if graphs and (token is None if replay is None else replay):
+            self.graphs[new_page].launch(self.stream)
+        else:
+            with self.stream:
+                self.enqueue_step(new_page)
+        self.position += 1
+
+    def token_at(self, position: int) -> int:
+        """The argmax after `position` (synchronizes: the only per-token sync, for streaming)."""
+        self.stream.synchronize()
+        err = int(self.scalar["error"].get()[0])
+        if err:
+            raise LimitError("<generate>", "KV pages", "a free page for every position", f"device error {err}")
+        return int(self.arena["s.generated"][position].get())
+
+    # ------------------------------------------------------------------ prefill
+    PREFILL_GEMMS = "INT4 tensor-core GEMMs"        # what this class's prefill projections run on
+
+    @property
+    def prefill_kind(self) -> str:
+        if self.prefill_mode == "tensor-core":
+            return f"{self.PREFILL_GEMMS}, chunks of {self.chunk} tokens"
+        return "token by token through the decode step"
+
+
+    def prefill_launches(self, start: int, t: int) -> list[tuple[str, object]]:
+        """Prompt positions start .. start+t-1 through every layer as one batch (rows of the
+        p.* buffers), as (region, launch): their K and V go to the pages, and attention reads
+        all earlier ones there."""
+        a, d, g, pf = self.arena, self.dims, self.gemv, self.pf
+        x, y, qkv, q = a["p.x"][:t], a["p.y"][:t], a["p.qkv"][:t], a["p.q"][:t]
+        attn, gate_up, act, bt = a["p.attn"][:t], a["p.gate_up"][:t], a["p.act"][:t], a["s.block_table"]
+        out = [("embed", lambda: g.embed(a["s.prompt"][start:start + t], a["w.embed"], x))]
+        for l in range(d.num_layers):
+            w, k_pool, v_pool = f"w.{l}.", self.kv[l, 0], self.kv[l, 1]
+            out += [
+                ("norms", lambda w=w: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
+                ("qkv_gemm", lambda w=w: pf.gemm_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], qkv,
+                                                      bias=a[w + "qkv.bias"])),
+                ("rope_write_kv", lambda k=k_pool, v=v_pool: pf.prefill_rope_write_kv(qkv, k, v, bt, q, d,
+                                                                                      start_pos=start)),
+                ("prefill_attention", lambda k=k_pool, v=v_pool: pf.prefill_attention(q, k, v, bt, attn, d,
+                                                                                      start_pos=start)),
+                ("o_proj_gemm", lambda w=w: pf.gemm_int4(attn, a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)),
+                ("norms", lambda w=w: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
+                ("gate_up_gemm", lambda w=w: pf.gemm_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], gate_up)),
+                ("swiglu_down_gemm", lambda w=w: pf.gemm_int4_swiglu(gate_up, a[w + "down.qweight"], a[w + "down.scales"],
+                                                                    x, residual=x, act=act)),
+            ]
+        return out
+
+    def prefill_enqueue(self, ids: list[int], physical_pages=None) -> None:
+        """Enqueue the prefill of `ids` (no host sync, so TTFT can be timed with events). The
+        first generated token ends in the device scalars and s.generated, as after a step."""
+        n = len(ids)
+        check_request(self.dims, list(ids), 1, self.max_tokens)
+        if self.prefill_mode == "token-by-token":
+            self.reset(physical_pages)
+            for t in ids:
+                self.launch_step(int(t))
+            return
+        self.reset(physical_pages, prompt_tokens=n)     # pages taken, position = n - 1
+        self.host_tokens[:n] = ids                      # the stream is idle (reset synchronized)
+        prompt = self.arena["s.prompt"]
+        self.cp.cuda.runtime.memcpyAsync(prompt.data.ptr, self.host_tokens.ctypes.data, 4 * n,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        with self.stream:
+            for start in range(0, n, self.chunk):
+                for _, launch in self.prefill_launches(start, min(self.chunk, n - start)):
+                    launch()
+            for _, launch in self.head_launches(self.arena["p.x"][(n - 1) % self.chunk]):   # the last row
+                launch()
+            self.end_step()                             # generated[n - 1] = token; position = n
+        self.position = n
+
+    # ------------------------------------------------------------------ the protocol
+    def prefill(self, ids: list[int], physical_pages=None) -> int:
+        self.prefill_enqueue(ids, physical_pages)
+        return self.token_at(self.position - 1)
+
+    def decode(self, token: int) -> int:
+        """One step on the token the device already holds (argmax wrote it)."""
+        self.launch_step(None if self.graphs is not None and self.use_graphs else int(token))
+        return self.token_at(self.position - 1)
+
+    def force(self, token: int) -> int:
+        """One step on `token` given by the host, whatever the argmax before it was (teacher
+        forcing: validate.teacher_forced): the token goes into the device scalar, on the
+        stream, and the step is the graph replay (eager without graphs)."""
+        self.launch_step(int(token), replay=True)
+        return self.token_at(self.position - 1)
+
+    def logits(self):
+        """The last step's logits, float32 [vocab] on the device (after token_at's sync)."""
+        self.stream.synchronize()
+        return self.arena["a.logits"]
+
+    def cached_kv(self, layer: int, n: int):
+        """K, V of positions [0, n) of `layer` gathered from the pages: [n, kv_heads, d] each."""
+        self.stream.synchronize()
+        pages = self.arena["s.block_table"].get()[: -(-n // KV.page_tokens)]
+        out = []
+        for which in (0, 1):
+            rows = self.kv[layer, which][self.cp.asarray(pages)]     # [pages, kv_heads, 16, d]
+            out.append(rows.transpose(0, 2, 1, 3).reshape(-1, self.dims.num_kv_heads, self.dims.head_dim)[:n])
+        return out
+
+
+def gpu_backend(nq_file, **kwargs) -> GpuBackend:
+    """The GPU engine for the file's weight encoding: GpuBackend (INT4) or
+    engine_fp8.GpuBackendFp8 (FP8 E4M3)."""
+    if nq_file.encoding == "fp8":
+        from nanoqwen_lib.gpu.engine_fp8 import GpuBackendFp8
+        return GpuBackendFp8(nq_file, **kwargs)
+    return GpuBackend(nq_file, **kwargs)

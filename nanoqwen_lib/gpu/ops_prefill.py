@@ -1,0 +1,269 @@
+"""Launchers for the prefill kernels (kernels/prefill_gemm.cu, kernels/prefill_attention.cu).
+
+Per layer, for a prompt of T tokens at positions start_pos .. start_pos+T-1 (the engine calls):
+    gemm_int4(x, qkv.qweight, qkv.scales, qkv_out, bias=qkv.bias)         qkv [T, qkv_dim]
+    prefill_rope_write_kv(qkv_out, k_pool, v_pool, block_table, q, dims)  q [T, heads, d]; K, V -> pages
+    prefill_attention(q, k_pool, v_pool, block_table, attn, dims)         attn [T, heads*d]
+    gemm_int4(attn, o.qweight, o.scales, x, residual=x)                   x += W_o attn (in place)
+    gemm_int4(y, gate_up.qweight, gate_up.scales, gate_up_out)            [T, 2I]
+    gemm_int4_swiglu(gate_up_out, down.qweight, down.scales, x, residual=x, act=act)   act [T, I] scratch
+
+Attention reads K and V from the paged cache, the same place decode reads them: the RoPE
+kernel writes them there, so no contiguous K/V copy exists (k_pool / v_pool are one layer's
+pool[layer, 0] / pool[layer, 1], [num_pages, kv_heads, 16, d]; block_table int32 maps the
+sequence's logical pages, device resident). start_pos > 0 (a prompt after cached context)
+works too: the queries see the earlier keys in the pages.
+
+Every launcher checks each buffer (cupy array, dtype, shape, C-contiguous, 128-byte
+aligned) and raises a NanoqwenError naming it; nothing is allocated per call (the RoPE
+inv_freq table is made once per dims). Launches go to the current CuPy stream.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from nanoqwen_lib.gpu import cuda_build
+from nanoqwen_lib.config import ModelDims, load
+from nanoqwen_lib.errors import LimitError, NanoqwenError
+from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, device_ptr
+
+GROUP = load().format.group_size
+PAGE_TOKENS = load().kv_cache.page_tokens
+
+# kernels/prefill_gemm.cu geometry (its constants; gemm_smem_bytes mirrors sizeof(Stage)).
+GEMM_BN, GEMM_BK, GEMM_THREADS, GEMM_XS = 128, 64, 256, 64 + 8
+GEMM_STAGES = 4
+GEMM_BM_CHOICES = (64, 128)
+GEMM_WARPS_M = 2                 # 8 warps as 2 (tokens) x 4 (features); 4 x 2 is the other build
+GEMM_CTAS_PER_SM = {64: 2, 128: 1}   # resident CTAs per SM (the kernel's launch bounds / registers)
+GEMM_BM128_MIN_WAVES = 2         # BM = 128 once its grid fills the resident slots this many times
+SPLIT_MAX = 8                    # split-K slices at most ...
+SPLIT_MIN_KTILES = 4             # ... each with at least this many k-tiles of 64
+SPLIT_FILL_KTILES = 3            # pipeline fill + epilogue of a CTA, in k-tile times (the wave model)
+WS_FLOATS = 1 << 24              # split-K workspace: fp32 partial tiles (64 MiB), allocated once
+WS_COUNTERS = 1 << 16            # one counter per output tile
+ATTN_BQ, ATTN_THREADS = 64, 128
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms() -> int:
+    import cupy as cp
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+# ---- argument checks ----------------------------------------------------------------------
+def _check(fn: str, field: str, a, dtype, shape: tuple) -> None:
+    check_device_buffer(f"ops_prefill.{fn}", field, a, dtype, shape)
+
+
+def _no_alias(fn: str, field: str, a, b, other: str) -> None:
+    check_no_alias(f"ops_prefill.{fn}", field, a, b, other)
+
+
+_ptr = device_ptr
+
+
+def _weights(fn: str, qweight, scales) -> tuple[int, int]:
+    """(N, K) of a packed INT4 projection, checked."""
+    if getattr(qweight, "ndim", 0) != 2:
+        raise NanoqwenError(f"ops_prefill.{fn}", "qweight.shape", "(N, K/8)", getattr(qweight, "shape", None))
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if n < 1 or k < GROUP or k % GROUP:
+        raise NanoqwenError(f"ops_prefill.{fn}", "qweight.shape", f"N >= 1 and K a multiple of {GROUP}", (n, k))
+    _check(fn, "qweight", qweight, np.uint32, (n, k // 8))
+    _check(fn, "scales", scales, np.float16, (n, k // GROUP))
+    return n, k
+
+
+def _tokens(fn: str, field: str, a) -> int:
+    if getattr(a, "ndim", 0) != 2 or a.shape[0] < 1:
+        raise NanoqwenError(f"ops_prefill.{fn}", field + ".shape", "(T, features), T >= 1", getattr(a, "shape", None))
+    return a.shape[0]
+
+
+# ---- the GEMM -----------------------------------------------------------------------------
+def gemm_smem_bytes(bm: int, swiglu: bool, stages: int = GEMM_STAGES) -> int:
+    """Dynamic shared memory of nq_prefill_gemm[_swiglu]: per stage the X tile [bm][72] fp16,
+    the W tile [128][8] uint32 and 128 scale words; SwiGLU adds a u tile [bm][72] per stage."""
+    stage = bm * GEMM_XS * 2 + GEMM_BN * (GEMM_BK // 8) * 4 + GEMM_BN * 4
+    return stages * (stage + (bm * GEMM_XS * 2 if swiglu else 0))
+
+
+def _waves_cost(tiles: int, ktiles: int, split: int, slots: int) -> int:
+    """Wave model of a launch in k-tile times: rounds of resident CTAs x each CTA's k-tiles."""
+    return -(-tiles * split // slots) * (-(-ktiles // split) + SPLIT_FILL_KTILES)
+
+
+def plan_gemm(t: int, n: int, k: int) -> tuple[int, int]:
+    """(bm, split) for a [t, k] x [n, k]^T GEMM. BM = 128 (half the dequantization per MMA)
+    when t > 64 and its grid fills the resident slots GEMM_BM128_MIN_WAVES times, else 64; split-K
+    slices by the wave model (a short last wave and idle SMs cost as much as a full wave),
+    capped by the workspace."""
+    sms, ktiles = num_sms(), k // GEMM_BK
+    tiles = {bm: -(-t // bm) * -(-n // GEMM_BN) for bm in GEMM_BM_CHOICES}
+    bm = 128 if t > 64 and tiles[128] >= GEMM_BM128_MIN_WAVES * GEMM_CTAS_PER_SM[128] * sms else 64
+    slots = GEMM_CTAS_PER_SM[bm] * sms
+    splits = [s for s in range(1, SPLIT_MAX + 1)
+              if s == 1 or (ktiles // s >= SPLIT_MIN_KTILES and s * tiles[bm] * bm * GEMM_BN <= WS_FLOATS)]
+    return bm, min(splits, key=lambda s: (_waves_cost(tiles[bm], ktiles, s, slots), s))
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_kernel(name: str, bm: int, warps_m: int, stages: int):
+    extra = {"NQ_PG_BM": bm, "NQ_PG_WARPS_M": warps_m, "NQ_PG_STAGES": stages}
+    kern = cuda_build.load_module("prefill_gemm", None, extra).get_function(name)
+    kern.max_dynamic_shared_size_bytes = gemm_smem_bytes(bm, name.endswith("swiglu"), stages)
+    return kern
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace(device_id: int):
+    import cupy as cp
+    return cp.zeros(WS_FLOATS, cp.float32), cp.zeros(WS_COUNTERS, cp.int32)
+
+
+def workspace():
+    """(partials fp32 [WS_FLOATS], counters int32 [WS_COUNTERS], zero between launches) of the
+    current device, allocated on first use: call it once before capturing a CUDA graph."""
+    import cupy as cp
+    return _workspace(cp.cuda.Device().id)
+
+
+def _launch_gemm(fn: str, kernel: str, act, qweight, scales, out, bias, residual,
+                 t: int, n: int, k: int, ldx: int, bm: int | None, split: int | None,
+                 warps_m: int | None, stages: int) -> None:
+    where = f"ops_prefill.{fn}"
+    _check(fn, "out", out, np.float16, (t, n))
+    if bias is not None:
+        _check(fn, "bias", bias, np.float16, (n,))
+    if residual is not None:
+        _check(fn, "residual", residual, np.float16, (t, n))      # may be `out` itself (in place)
+    if t * ldx >= 2**31 or n * k // 8 >= 2**31:
+        raise LimitError(where, "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, row {ldx}, N={n}, K={k}")
+    plan_bm, plan_split = plan_gemm(t, n, k) if bm is None or split is None else (bm, split)
+    bm, split, warps_m = bm or plan_bm, split or plan_split, warps_m or GEMM_WARPS_M
+    if bm not in GEMM_BM_CHOICES:
+        raise NanoqwenError(where, "bm", f"one of {GEMM_BM_CHOICES}", bm)
+    if warps_m not in (2, 4):
+        raise NanoqwenError(where, "warps_m", "2 or 4", warps_m)
+    tiles = -(-t // bm) * -(-n // GEMM_BN)
+    if not 1 <= split <= k // GEMM_BK:
+        raise NanoqwenError(where, "split", f"1 .. {k // GEMM_BK} (k-tiles of {GEMM_BK})", split)
+    ws, counters = workspace() if split > 1 else (None, None)
+    if split > 1 and (split * tiles * bm * GEMM_BN > WS_FLOATS or tiles > WS_COUNTERS):
+        raise LimitError(where, "split-K workspace", f"split * tiles * {bm * GEMM_BN} <= {WS_FLOATS} and "
+                         f"tiles <= {WS_COUNTERS}", f"split {split}, tiles {tiles}", "a smaller split")
+    grid = (-(-t // bm), -(-n // GEMM_BN), split)
+    _gemm_kernel(kernel, bm, warps_m, stages)(
+        grid, (GEMM_THREADS,),
+        (act, qweight, scales, _ptr(bias), _ptr(residual), out, np.int32(t), np.int32(n), np.int32(k),
+         _ptr(ws), _ptr(counters)),
+        shared_mem=gemm_smem_bytes(bm, kernel.endswith("swiglu"), stages))
+
+
+def gemm_int4(x, qweight, scales, out, bias=None, residual=None, *, bm=None, split=None, warps_m=None,
+              stages=GEMM_STAGES) -> None:
+    """out[T, N] = fp16(x W^T [+ bias] [+ residual]), FP32 accumulation. x fp16 [T, K];
+    qweight uint32 [N, K/8]; scales fp16 [N, K/128]; residual may be `out` (in place), x may not.
+    bm / split / warps_m override plan_gemm and GEMM_WARPS_M (tests, benchmark)."""
+    n, k = _weights("gemm_int4", qweight, scales)
+    t = _tokens("gemm_int4", "x", x)
+    _check("gemm_int4", "x", x, np.float16, (t, k))
+    _no_alias("gemm_int4", "out", out, x, "x")
+    _launch_gemm("gemm_int4", "nq_prefill_gemm", x, qweight, scales, out, bias, residual, t, n, k, k,
+                 bm, split, warps_m, stages)
+
+
+def gemm_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, act=None, bm=None, split=None,
+                     warps_m=None, stages=GEMM_STAGES) -> None:
+    """out[T, N] = fp16(act W^T [+ residual]), act = fp16(silu(g) * u) of gate_up fp16 [T, 2K]
+    (gate columns, then up columns), K = qweight.shape[1] * 8. Without `act` the kernel forms
+    act tile by tile (nothing in memory); with an `act` buffer fp16 [T, K] it runs swiglu_act
+    into it and then gemm_int4: the same bits, and faster at T = 512 (PERFLOG.md, prefill:
+    the fused kernel recomputes act once per 128 output columns)."""
+    n, k = _weights("gemm_int4_swiglu", qweight, scales)
+    t = _tokens("gemm_int4_swiglu", "gate_up", gate_up)
+    _check("gemm_int4_swiglu", "gate_up", gate_up, np.float16, (t, 2 * k))
+    _no_alias("gemm_int4_swiglu", "out", out, gate_up, "gate_up")
+    if act is not None:
+        swiglu_act(gate_up, act)
+        gemm_int4(act, qweight, scales, out, bias=bias, residual=residual, bm=bm, split=split, warps_m=warps_m,
+                  stages=stages)
+        return
+    _launch_gemm("gemm_int4_swiglu", "nq_prefill_gemm_swiglu", gate_up, qweight, scales, out, bias, residual,
+                 t, n, k, 2 * k, bm, split, warps_m, stages)
+
+
+def swiglu_act(gate_up, act) -> None:
+    """act[T, I] = fp16(silu(g) * u) from gate_up fp16 [T, 2I]: the unfused alternative to
+    gemm_int4_swiglu (then gemm_int4(act, ...)); same arithmetic, so the same bits."""
+    t = _tokens("swiglu_act", "gate_up", gate_up)
+    inter = gate_up.shape[1] // 2
+    if inter < 8 or inter % 8:
+        raise NanoqwenError("ops_prefill.swiglu_act", "gate_up.shape[1]", "2 I with I a multiple of 8", gate_up.shape[1])
+    _check("swiglu_act", "gate_up", gate_up, np.float16, (t, 2 * inter))
+    _check("swiglu_act", "act", act, np.float16, (t, inter))
+    chunks = t * inter // 8
+    _gemm_kernel("nq_swiglu_act", 128, GEMM_WARPS_M, GEMM_STAGES)((-(-chunks // 256),), (256,),
+                                                    (gate_up, act, np.int32(t), np.int32(inter)))
+
+
+# ---- RoPE + cache write, attention ----------------------------------------------------------
+class PrefillAttentionKernels:
+    """The compiled attention module for one model's dims and its RoPE inv_freq table
+    (ops_attention.rope_inv_freq: the decode kernel's bits, so both write the same K)."""
+
+    def __init__(self, dims: ModelDims):
+        import cupy as cp
+        from nanoqwen_lib.gpu.ops_attention import rope_inv_freq
+        mod = cuda_build.load_module("prefill_attention", dims)
+        self.dims = dims
+        self.attn = mod.get_function("nq_prefill_attention")
+        self.smem = 5 * ATTN_BQ * dims.head_dim * 2          # Q tile + 2 x (K tile, V tile)
+        self.attn.max_dynamic_shared_size_bytes = self.smem
+        self.rope = mod.get_function("nq_prefill_rope_write_kv")
+        self.inv_freq = cp.asarray(rope_inv_freq(dims.head_dim, dims.rope_theta))   # [d/2]
+
+
+@functools.lru_cache(maxsize=None)
+def attention_kernels(dims: ModelDims) -> PrefillAttentionKernels:
+    return PrefillAttentionKernels(dims)
+
+
+def _check_pages(fn: str, dims: ModelDims, k_pool, v_pool, block_table, context: int) -> None:
+    shape = (getattr(k_pool, "shape", (0,))[0], dims.num_kv_heads, PAGE_TOKENS, dims.head_dim)
+    _check(fn, "k_pool", k_pool, np.float16, shape)
+    _check(fn, "v_pool", v_pool, np.float16, shape)
+    pages = -(-context // PAGE_TOKENS)
+    if getattr(block_table, "ndim", 0) != 1 or block_table.shape[0] < pages:
+        raise NanoqwenError(f"ops_prefill.{fn}", "block_table.shape", f"({pages} or more,) for {context} tokens",
+                            getattr(block_table, "shape", None))
+    _check(fn, "block_table", block_table, np.int32, block_table.shape)
+
+
+def prefill_rope_write_kv(qkv, k_pool, v_pool, block_table, q_out, dims: ModelDims, start_pos: int = 0) -> None:
+    """qkv fp16 [T, qkv_dim] (bias added) -> q_out fp16 [T, heads, d] = rope(q); rope(k) and v
+    to the page slots of positions start_pos .. start_pos+T-1 (block_table int32, device)."""
+    t = _tokens("prefill_rope_write_kv", "qkv", qkv)
+    _check("prefill_rope_write_kv", "qkv", qkv, np.float16, (t, dims.qkv_dim))
+    _check("prefill_rope_write_kv", "q_out", q_out, np.float16, (t, dims.num_heads, dims.head_dim))
+    _check_pages("prefill_rope_write_kv", dims, k_pool, v_pool, block_table, start_pos + t)
+    ks = attention_kernels(dims)
+    ks.rope((t,), (256,), (qkv, ks.inv_freq, block_table, q_out, k_pool, v_pool, np.int32(t),
+                           np.int32(start_pos), np.int32(dims.num_heads), np.int32(dims.num_kv_heads)))
+
+
+def prefill_attention(q, k_pool, v_pool, block_table, out, dims: ModelDims, start_pos: int = 0) -> None:
+    """out fp16 [T, heads * d] = causal softmax(q K^T / sqrt(d)) V, FP32 softmax; q fp16
+    [T, heads, d] at positions start_pos ..; K, V of positions 0 .. start_pos+T-1 in the pages."""
+    t = _tokens("prefill_attention", "out", out)
+    _check("prefill_attention", "q", q, np.float16, (t, dims.num_heads, dims.head_dim))
+    _check("prefill_attention", "out", out, np.float16, (t, dims.q_dim))
+    _check_pages("prefill_attention", dims, k_pool, v_pool, block_table, start_pos + t)
+    ks = attention_kernels(dims)
+    grid = (-(-t // ATTN_BQ), dims.num_heads)
+    ks.attn(grid, (ATTN_THREADS,), (q, k_pool, v_pool, block_table, out, np.int32(t), np.int32(start_pos),
+                                    np.int32(dims.num_heads), np.int32(dims.num_kv_heads)),
+            shared_mem=ks.smem)

@@ -1,0 +1,159 @@
+"""benchmark_e2e: TTFT, ITL, tokens/s and MBU under the protocol of nanoqwen.yaml.
+
+Protocol (batch 1): `warmup` untimed runs of the whole request, then one timed run:
+prefill of `prompt_tokens` (TTFT = prompt in -> first token on the device, CUDA events) and
+`gen_tokens` decode steps replayed as CUDA graphs, an event between every two steps (ITL =
+the time between them; median, p10, p90). MBU = bytes a decode token must read (weights,
+scales, lm_head, the KV cache at the mean context) / ITL / the read ceiling measured in the
+same process. Speed does not depend on weight values, so synthetic weights are faithful.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from nanoqwen_lib.config import load
+from nanoqwen_lib.format.layout import bytes_per_decode_token
+
+
+def git_commit() -> str:
+    """The commit measured: NANOQWEN_GIT_COMMIT when set (a copy of the tree without .git,
+    as on the device machine), else git's HEAD."""
+    import os
+    if os.environ.get("NANOQWEN_GIT_COMMIT"):
+        return os.environ["NANOQWEN_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def gpu_conditions() -> dict:
+    """GPU name and the clocks seen now (nvidia-smi, if present): clocks are not locked."""
+    import cupy as cp
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    out = {"gpu": props["name"].decode(), "sms": props["multiProcessorCount"],
+           "clocks_locked": load().benchmark.lock_clocks}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        sm, mem, max_sm, temp, power = [v.strip() for v in q.stdout.strip().split(",")]
+        out.update(sm_clock_mhz=sm, mem_clock_mhz=mem, max_sm_clock_mhz=max_sm, temp_c=temp, power_w=power)
+    except Exception:
+        pass
+    return out
+
+
+def _stats(ms: list[float]) -> dict:
+    a = np.asarray(ms)
+    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
+            "p90": float(np.percentile(a, 90)), "mean": float(a.mean()), "n": int(a.size)}
+
+
+def timed_request(engine, prompt: list[int], gen_tokens: int) -> dict:
+    """One request: TTFT and the per-step ITLs, all from CUDA events on the engine's stream."""
+    import cupy as cp
+    from nanoqwen_lib.measure.timing import events_between, intervals_ms
+    s = engine.stream
+    start = cp.cuda.Event()
+    start.record(s)
+    engine.prefill_enqueue(prompt)
+    steps = events_between(engine.launch_step, gen_tokens, s)   # the first marks the first token
+    s.synchronize()                        # no host sync before here: graphs back to back
+    ttft = cp.cuda.get_elapsed_time(start, steps[0])
+    itl = intervals_ms(steps)
+    ids = engine.arena["s.generated"][len(prompt) - 1:len(prompt) - 1 + gen_tokens + 1].get().tolist()
+    return {"ttft_ms": ttft, "itl_ms": itl, "tokens": ids}
+
+
+def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, seed=0,
+                  progress=print, prefill: str = "tensor-core", breakdown: bool = False) -> dict:
+    """The protocol; with breakdown=True also the ITL breakdown (breakdown.itl_breakdown) on
+    the same engine after the timed run."""
+    from nanoqwen_lib.measure.breakdown import itl_breakdown
+    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.measure.timing import measure_read_ceiling
+    proto = load().benchmark
+    prompt_tokens = prompt_tokens or proto.prompt_tokens
+    gen_tokens = gen_tokens or proto.gen_tokens
+    warmup = proto.warmup if warmup is None else warmup
+    dims = nq_file.dims
+    prompt = np.random.default_rng(seed).integers(0, 151643, prompt_tokens).tolist()
+    progress(f"loading {nq_file.path} onto the GPU")
+    engine = gpu_backend(nq_file, max_tokens=prompt_tokens + max(gen_tokens, 128) + 16, graphs=True,
+                         prefill=prefill)
+    for i in range(warmup):
+        progress(f"warm-up {i + 1}/{warmup}")
+        timed_request(engine, prompt, gen_tokens)
+    progress("timed run")
+    run = timed_request(engine, prompt, gen_tokens)
+    parts = None
+    if breakdown:
+        progress("ITL breakdown (graph and eager steps, then each region alone)")
+        parts = itl_breakdown(engine, prompt)
+    progress("measuring the read ceiling")
+    ceiling = measure_read_ceiling()
+    itl = _stats(run["itl_ms"])
+    ctx_mean = prompt_tokens + gen_tokens // 2
+    need = bytes_per_decode_token(dims, ctx_mean, nq_file.encoding)
+    bytes_tok = sum(need.values())
+    return {
+        "protocol": {"batch": proto.batch, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+                     "warmup": warmup, "lock_clocks": proto.lock_clocks, "decode": "CUDA graphs",
+                     "prefill": engine.prefill_kind, "weights": "synthetic (speed does not depend on values)"},
+        "model": {"file": str(nq_file.path), "layers": dims.num_layers, "hidden": dims.hidden},
+        "ttft_ms": run["ttft_ms"],
+        "itl_ms": itl,
+        "tokens_per_s": 1000.0 / itl["median"],
+        "bytes_per_token": bytes_tok,
+        "bytes_breakdown": need,
+        "read_ceiling_tbps": ceiling["tbps"],
+        "achieved_tbps": bytes_tok / (itl["median"] * 1e-3) / 1e12,
+        "mbu": bytes_tok / (itl["median"] * 1e-3) / (ceiling["tbps"] * 1e12),
+        "tokens": run["tokens"],
+        **({"itl_breakdown": parts} if parts else {}),
+        "conditions": gpu_conditions(),
+        "git_commit": git_commit(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def format_report(r: dict) -> str:
+    itl = r["itl_ms"]
+    c = r["conditions"]
+    lines = [
+        f"{c.get('gpu')}  (SM clock {c.get('sm_clock_mhz', '?')} MHz, not locked)  commit {r['git_commit'][:10]}",
+        f"protocol  batch {r['protocol']['batch']}, pp{r['protocol']['prompt_tokens']} / tg{r['protocol']['gen_tokens']}, "
+        f"warmup {r['protocol']['warmup']}, prefill: {r['protocol']['prefill']}",
+        f"TTFT      {r['ttft_ms']:.2f} ms",
+        f"ITL       median {itl['median']:.4f} ms  (p10 {itl['p10']:.4f}, p90 {itl['p90']:.4f})",
+        f"tokens/s  {r['tokens_per_s']:.1f}",
+        f"MBU       {100 * r['mbu']:.1f}%  ({r['bytes_per_token'] / 1e9:.3f} GB/token at "
+        f"{r['achieved_tbps']:.2f} TB/s; read ceiling {r['read_ceiling_tbps']:.2f} TB/s measured now)",
+    ]
+    if "itl_breakdown" in r:
+        from nanoqwen_lib.measure.breakdown import format_breakdown
+        lines.append(format_breakdown(r["itl_breakdown"]))
+    for name in ("hf_fp16", "torch_int4"):
+        if name in r.get("peers", {}):
+            p = r["peers"][name]
+            if "error" in p:
+                lines.append(f"peer {name:<11} could not run: {p['error']}")
+                continue
+            ttft = f", TTFT {p['ttft_ms']:.1f} ms ({p['ttft_ms'] / r['ttft_ms']:.2f}x ours)" if "ttft_ms" in p else ""
+            lines.append(f"peer {name:<11} ITL {p['itl_ms']:.3f} ms  ->  nanoqwen is {p['itl_ms'] / itl['median']:.2f}x faster"
+                         f"{ttft}; first {p.get('same_tokens', '?')} greedy tokens identical to ours")
+    return "\n".join(lines)
+
+
+def write_json(r: dict, path) -> None:
+    """Whole or not at all: a temporary file beside it, then a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(r, indent=2, default=str))
+    tmp.replace(path)

@@ -1,0 +1,116 @@
+"""The ITL breakdown: where the time of one decode token goes, region by region.
+
+A region is a named part of the step (GpuBackend.step_launches: "embed", "norms",
+"qkv_gemv", "rope_append_kv", "paged_attention", "o_proj", "gate_up_gemv", "swiglu_down",
+"lm_head+argmax" (the argmax is fused into lm_head's last CTA), "step bookkeeping").
+
+    region time   every launch of the region in one token (28 of each per-layer kernel, in
+                  step order, so each reads another layer's weights, as the step does),
+                  captured as one CUDA graph and replayed (timing.time_cuda); the median.
+    step ITL      whole steps at the same position, events between them: replayed from the
+                  engine's graphs, and enqueued eagerly (the host launches every kernel).
+    kernel_gap    step ITL - sum of the region times: the time the GPU spends waiting between
+                  kernels, on the host (eager) or on launch latency (graphs).
+
+A region replayed alone runs its kernels back to back, so its time includes the launch
+latency between its own kernels as they sit in a graph; the graph kernel_gap is what the
+whole step adds on top. The regions run on the engine's live state at the measured
+position (the scalars, the residual stream and the pages are saved and restored around
+each), so the sequence must be reset afterwards: `itl_breakdown` runs its own prefill.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nanoqwen_lib.measure.timing import events_between, intervals_ms
+
+
+
+def step_times(engine, steps: int, graphs: bool) -> list[float]:
+    """ms per decode step for `steps` steps from the engine's position, CUDA events between
+    steps, no host sync in the loop (eager: the host's launches pace the GPU)."""
+    saved = engine.use_graphs
+    engine.use_graphs = graphs
+    try:
+        events = events_between(engine.launch_step, steps, engine.stream)
+        engine.stream.synchronize()
+    finally:
+        engine.use_graphs = saved
+    engine.token_at(engine.position - 1)                 # raises if the device flagged an error
+    return intervals_ms(events)
+
+
+def region_times(engine, launches=None, iters: int = 20, warmup: int = 3,
+                 restore=("s.scalars", "a.x", "s.block_table")) -> dict[str, float]:
+    """region -> median ms of all its launches, captured as one graph per region and replayed.
+    launches: (region, launch) pairs, default the decode step's (mid-page variant); the
+    arena buffers in `restore` are saved first and put back after each region."""
+    from nanoqwen_lib.measure.timing import time_cuda
+    a, s = engine.arena, engine.stream
+    launches = engine.step_launches(new_page=False) if launches is None else launches
+    saved = {name: a[name].copy() for name in restore}
+    out = {}
+    for region in dict.fromkeys(name for name, _ in launches):
+        mine = [launch for name, launch in launches if name == region]
+
+        def run(mine=mine):
+            for launch in mine:
+                launch()
+
+        with s:                              # warm-up calls on the engine's stream, then graph replays
+            out[region] = time_cuda(run, warmup=warmup, iters=iters, graph=True)["median"]
+            for name, copy in saved.items():  # undo what the calls moved
+                a[name][...] = copy
+    s.synchronize()
+    return out
+
+
+def itl_breakdown(engine, prompt: list[int], steps: int = 32, iters: int = 20) -> dict:
+    """Prefill `prompt`, then: graph ITL and eager ITL over `steps` steps each, and every
+    region alone at the position reached. Needs graphs (GpuBackend(graphs=True)) and room
+    for len(prompt) + 2 * steps + iters + 3 tokens in the pool."""
+    if engine.graphs is None:
+        raise ValueError("itl_breakdown needs an engine with CUDA graphs (graphs=True)")
+    engine.prefill_enqueue(prompt)
+    engine.stream.synchronize()
+    graph = step_times(engine, steps, graphs=True)
+    eager = step_times(engine, steps, graphs=False)
+    context = engine.position
+    regions = region_times(engine, iters=iters)
+    total = sum(regions.values())
+    result = {"context_tokens": context, "steps": steps, "region_iters": iters, "regions_ms": regions,
+              "regions_sum_ms": total}
+    for name, ms in (("graph", graph), ("eager", eager)):
+        med = float(np.median(ms))
+        result[name] = {"itl_ms": med, "p10": float(np.percentile(ms, 10)), "p90": float(np.percentile(ms, 90)),
+                        "kernel_gap_ms": med - total}
+    engine.reset()
+    return result
+
+
+def prefill_region_times(engine, prompt: list[int], iters: int = 10) -> dict[str, float]:
+    """The tensor-core prefill of `prompt` (one chunk, len(prompt) <= engine.chunk), region
+    by region (GpuBackend.prefill_launches): region -> median ms over all layers."""
+    if len(prompt) > engine.chunk:
+        raise ValueError(f"one chunk: at most {engine.chunk} tokens, got {len(prompt)}")
+    engine.prefill_enqueue(prompt)
+    engine.stream.synchronize()
+    out = region_times(engine, engine.prefill_launches(0, len(prompt)), iters=iters,
+                       restore=("p.x", "s.scalars"))
+    engine.reset()
+    return out
+
+
+def format_breakdown(b: dict) -> str:
+    lines = [f"ITL breakdown at a context of {b['context_tokens']} tokens (medians; regions replayed alone)",
+             f"{'region':<20}{'ms/token':>10}{'of graph ITL':>14}"]
+    g = b["graph"]["itl_ms"]
+    for region, ms in b["regions_ms"].items():
+        lines.append(f"{region:<20}{ms:>10.4f}{ms / g:>14.1%}")
+    lines.append(f"{'sum of regions':<20}{b['regions_sum_ms']:>10.4f}{b['regions_sum_ms'] / g:>14.1%}")
+    for name in ("graph", "eager"):
+        r = b[name]
+        lines.append(f"{name:<6} ITL {r['itl_ms']:.4f} ms (p10 {r['p10']:.4f}, p90 {r['p90']:.4f}); "
+                     f"kernel_gap {r['kernel_gap_ms']:.4f} ms ({r['kernel_gap_ms'] / r['itl_ms']:.1%})")
+    lines.append(f"eager / graph ITL: {b['eager']['itl_ms'] / g:.2f}x")
+    return "\n".join(lines)

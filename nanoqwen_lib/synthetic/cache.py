@@ -1,0 +1,47 @@
+"""Where generated artifacts live: $NANOQWEN_CACHE or ~/.cache/nanoqwen, never the repo.
+
+`synthetic_checkpoint("tiny")` is what tests and chapters call: the first call writes the
+checkpoint into a temporary directory next to its final place and renames it when
+complete, so an interrupted run leaves nothing that looks finished; later calls (and other
+processes) just reuse it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("NANOQWEN_CACHE") or Path.home() / ".cache" / "nanoqwen").expanduser()
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def synthetic_checkpoint_path(dims_name: str, seed: int = 0) -> Path:
+    """The directory synthetic_checkpoint uses (keyed on the recipe version, so a changed
+    recipe never serves stale weights)."""
+    from nanoqwen_lib.synthetic.checkpoint import RECIPE_VERSION
+    return cache_dir() / f"synth-{dims_name}-seed{seed}-r{RECIPE_VERSION}"
+
+
+def synthetic_checkpoint(dims_name: str, seed: int = 0, progress: bool = True) -> Path:
+    """A synthetic Hugging Face checkpoint of the named dims, created once and cached."""
+    from nanoqwen_lib.synthetic.checkpoint import synthesize, synthesize_dims
+    final = synthetic_checkpoint_path(dims_name, seed)
+    if final.is_dir():
+        return final
+    dims = synthesize_dims(dims_name)  # an unknown name fails here, before any work
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    try:
+        synthesize(dims, seed, tmp, progress=progress)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # a real failure, not another process finishing first
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
