@@ -29,8 +29,8 @@ def make_backend(name: str, nq_file):
         if not have_gpu():
             raise LimitError("<arguments>", "--backend", "a CUDA GPU for --backend gpu",
                              "none (CuPy sees no usable device)", "use --backend reference")
-        from nanoqwen_lib.gpu.engine import gpu_backend
-        return gpu_backend(nq_file)
+        from nanoqwen_lib.gpu.engine import GpuBackend
+        return GpuBackend(nq_file)
     raise LimitError("<arguments>", "--backend", "reference or gpu", repr(name))
 
 

@@ -66,11 +66,11 @@ def check_prefill(nq_file, refm, n, seed, layers, max_tokens):
     logits, and the first generated token."""
     import cupy as cp
     from nanoqwen_lib.config import load
-    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.model.reference import argmax_and_gap
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 151643, n).tolist()
-    eng = gpu_backend(nq_file, max_tokens=max_tokens, graphs=False)   # INT4 or FP8, by the file
+    eng = GpuBackend(nq_file, max_tokens=max_tokens, graphs=False)   # INT4 or FP8, by the file
     eng.kv.fill(cp.nan)
     for name in ("p.x", "p.y", "p.qkv", "p.q", "p.attn", "p.gate_up", "p.act", "p.ts", "a.logits"):
         if name in eng.arena.plan.slots:                            # p.ts: the FP8 engine's

@@ -9,7 +9,8 @@ import numpy as np
 
 from nanoqwen_lib.gpu import ops_attention, ops_gemv, ops_prefill
 from nanoqwen_lib.config import load
-from nanoqwen_lib.gpu.engine import plan_arena
+from nanoqwen_lib.gpu.engine import GpuBackend, plan_arena
+from nanoqwen_lib.gpu.projection import ENCODINGS
 
 
 class HostDeviceArray(np.ndarray):
@@ -33,11 +34,12 @@ def stand_in_arena(plan) -> dict:
     return views
 
 
-def stand_in_engine(cls, dims_name: str, max_tokens: int):
-    """An instance of GpuBackend (or a subclass) with only what its launch lists read."""
-    eng = object.__new__(cls)
-    eng.dims = load().model(dims_name)
-    eng.arena = stand_in_arena(plan_arena(eng.dims, max_tokens, cls.encoding))
+def stand_in_engine(dims_name: str, max_tokens: int, encoding: str = "int4"):
+    """A GpuBackend for a file of this weight encoding, with only what its launch lists read."""
+    eng = object.__new__(GpuBackend)
+    eng.dims, eng.encoding = load().model(dims_name), encoding
+    eng.arena = stand_in_arena(plan_arena(eng.dims, max_tokens, encoding))
+    eng.proj = ENCODINGS[encoding](eng.arena)
     eng.chunk = eng.arena["p.x"].shape[0]
     eng.gemv, eng.attn, eng.pf = ops_gemv, ops_attention, ops_prefill
     eng.kv = eng.arena["kv"]

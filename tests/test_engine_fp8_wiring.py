@@ -1,6 +1,6 @@
-"""The FP8 engine's wiring, on the CPU: every launch GpuBackendFp8 swaps in (decode and
-prefill) is run through its launcher's checks against a stand-in arena, with the kernels
-replaced by a recorder. Dtypes, shapes, contiguity, 128-byte alignment and aliasing of
+"""The engine's wiring of each weight encoding, on the CPU: every projection launch of the
+FP8 engine (decode and prefill) is run through its launchers' checks against a stand-in
+arena, with the kernels replaced by a recorder. Dtypes, shapes, contiguity, 128-byte alignment and aliasing of
 every argument are checked exactly as on the GPU; only the kernels do not run (their
 numbers are tests/test_gpu_fp8.py's and tests/test_gpu_engine_fp8.py's)."""
 from __future__ import annotations
@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from nanoqwen_lib.gpu import ops_fp8, ops_prefill
-from nanoqwen_lib.gpu.engine_fp8 import GpuBackendFp8
 
 from .stand_in import stand_in_cupy, stand_in_engine
 
@@ -30,8 +29,8 @@ def recorded(monkeypatch):
     return calls
 
 
-def fp8_engine(dims_name: str, max_tokens: int) -> GpuBackendFp8:
-    return stand_in_engine(GpuBackendFp8, dims_name, max_tokens)
+def fp8_engine(dims_name: str, max_tokens: int):
+    return stand_in_engine(dims_name, max_tokens, "fp8")
 
 
 SWAPPED_DECODE = {"qkv_gemv": ["nq_gemv_fp8"], "o_proj": ["nq_gemv_fp8"], "gate_up_gemv": ["nq_gemv_fp8"],
@@ -72,11 +71,10 @@ def test_fp8_prefill_launches_pass_their_checks(recorded, dims_name, t, start):
     assert seen == set(SWAPPED_PREFILL)
 
 
-def test_each_engine_names_its_own_prefill_gemms():
-    """What bench writes as protocol.prefill (the FP8 bench JSON of 5bcd157 said INT4)."""
-    from nanoqwen_lib.gpu.engine import GpuBackend
-    for cls, word in ((GpuBackend, "INT4"), (GpuBackendFp8, "FP8")):
-        eng = object.__new__(cls)
+def test_each_encoding_names_its_own_prefill_gemms():
+    """What bench writes as protocol.prefill: the file's encoding's GEMMs."""
+    for encoding, word in (("int4", "INT4"), ("fp8", "FP8")):
+        eng = stand_in_engine("tiny", 64, encoding)
         eng.prefill_mode, eng.chunk = "tensor-core", 512
         assert eng.prefill_kind.startswith(word) and "512" in eng.prefill_kind
 

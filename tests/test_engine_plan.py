@@ -60,21 +60,21 @@ def test_arena_refuses_what_does_not_fit_before_allocating(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["7b", "tiny-hd64"])
-def test_region_bytes_cover_the_decode_token_once(name):
-    """The ITL breakdown's floors: one entry per region of GpuBackend.step_launches (read
-    off the engine's own step, on a stand-in arena), adding up exactly to what a decode
-    token must read."""
-    from nanoqwen_lib.gpu.engine import GpuBackend
-    from nanoqwen_lib.format.layout import decode_region_bytes
+@pytest.mark.parametrize("encoding", ["int4", "fp8"])
+def test_engine_runs_the_layer_description(name, encoding):
+    """The engine's decode step and prefill (read off the engine itself, on a stand-in
+    arena) launch exactly gpu.layer's regions in order, and the regions' floors add up to
+    exactly what a decode token must read."""
+    from nanoqwen_lib.gpu import layer
 
     from .stand_in import stand_in_engine
-    regions = tuple(dict.fromkeys(r for r, _ in stand_in_engine(GpuBackend, name, 64).step_launches(False)))
-    dims = load().model(name)
+    eng = stand_in_engine(name, 64, encoding)
+    dims = eng.dims
+    assert [r for r, _ in eng.step_launches(False)] == [r.name for r in layer.step_regions(dims)]
+    assert [r for r, _ in eng.prefill_launches(0, 7)] == [r.prefill for r in layer.prefill_regions(dims)]
     for ctx in (1, 577, 4096):
-        for encoding in ("int4", "fp8"):
-            per_region = decode_region_bytes(dims, ctx, encoding)
-            assert set(per_region) == set(regions), (sorted(per_region), sorted(regions))
-            assert sum(per_region.values()) == sum(bytes_per_decode_token(dims, ctx, encoding).values())
+        per_region = layer.decode_region_bytes(dims, ctx, encoding)
+        assert sum(per_region.values()) == sum(bytes_per_decode_token(dims, ctx, encoding).values())
 
 
 @pytest.mark.parametrize("max_tokens", [64, 512, 4096])

@@ -1,4 +1,4 @@
-"""The FP8 engine (engine_fp8.GpuBackendFp8) against the reference on the same FP8 file
+"""The FP8 engine (GpuBackend on an FP8 file: gpu.projection.Fp8Projections) against the reference on the same FP8 file
 (marked gpu). The `tiny` model through synth -> pack --weights fp8: the kernels' 7B shapes
 are covered by tests/test_gpu_fp8.py; here the wiring is checked.
 
@@ -39,11 +39,11 @@ def _prompt(rng, n):
 
 @pytest.mark.parametrize("layer", [0, 1])
 def test_fp8_decode_layer_matches_reference(fp8_file, layer):
-    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.gpu.engine import GpuBackend
 
     rng = np.random.default_rng(40 + layer)
-    eng = gpu_backend(fp8_file, max_tokens=256)
-    assert type(eng).__name__ == "GpuBackendFp8"
+    eng = GpuBackend(fp8_file, max_tokens=256)
+    assert eng.encoding == "fp8" and type(eng.proj).__name__ == "Fp8Projections"
     eng.prefill(_prompt(rng, 21), physical_pages=rng.permutation(eng.pages))
     print(f"layer {layer}:", check_decode_layer(eng, fp8_file, layer, int(rng.integers(0, 151643))))
 
@@ -54,20 +54,20 @@ def test_fp8_prefill_matches_reference(fp8_file, ref, n):
 
 
 def test_fp8_greedy_tokens_match_reference(fp8_file, ref):
-    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.measure.validate import greedy_agreement
     rng = np.random.default_rng(9)
     prompts = [_prompt(rng, n) for n in (3, 16, 33)]
-    a = greedy_agreement(gpu_backend(fp8_file, max_tokens=256), ref, prompts, 32)
+    a = greedy_agreement(GpuBackend(fp8_file, max_tokens=256), ref, prompts, 32)
     print("fp8 tiny:", a.summary())
     assert a.passes(), a.summary()
 
 
 def test_fp8_graph_replay_identical_to_eager(fp8_file):
-    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     rng = np.random.default_rng(16)
     prompt = _prompt(rng, 16)
-    eng = gpu_backend(fp8_file, max_tokens=256)
+    eng = GpuBackend(fp8_file, max_tokens=256)
     runs = {}
     for graphs in (False, True):
         eng.use_graphs = graphs

@@ -54,23 +54,33 @@ def is_quantized(hf_name: str) -> bool:
     return hf_name.endswith("_proj.weight")
 
 
+def projection_tensors(encoding: str, n: int, k: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The two tensors that store one [n, k] projection in a weight encoding: suffix ->
+    (dtype, shape). The one statement of each encoding's storage: the file, the arena and
+    every byte count derive from it."""
+    if encoding == "int4":
+        return {"qweight": (UINT32, (n, k // 8)), "scales": (FP16, (n, k // load().format.group_size))}
+    if encoding == "fp8":
+        return {"qweight": (UINT8, (n, k)), "scales": (FP32, (n,))}
+    raise ValueError(f"weight encoding {encoding!r}: one of {sorted(ENCODINGS)}")
+
+
+def projection_bytes(encoding: str, n: int, k: int) -> int:
+    """Bytes of one [n, k] projection in a weight encoding (codes and scales)."""
+    return sum(int(np.prod(shape)) * dt.itemsize for dt, shape in projection_tensors(encoding, n, k).values())
+
+
 def packed_tensors(dims: ModelDims, encoding: str = "int4") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """Every tensor of a .nanoqwen file with this weight encoding, in file order:
     name -> (dtype, shape)."""
-    g = load().format.group_size
     if encoding not in (*ENCODINGS, "fp16"):
         raise ValueError(f"weight encoding {encoding!r}: one of {sorted(ENCODINGS)} (or fp16, unquantized)")
     out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
     for name, shape in hf_tensors(dims).items():
         if is_quantized(name) and encoding != "fp16":
             base = name[: -len(".weight")]
-            out_f, in_f = shape
-            if encoding == "int4":
-                out[base + ".qweight"] = (UINT32, (out_f, in_f // 8))
-                out[base + ".scales"] = (FP16, (out_f, in_f // g))
-            else:
-                out[base + ".qweight"] = (UINT8, (out_f, in_f))
-                out[base + ".scales"] = (FP32, (out_f,))
+            for suffix, spec in projection_tensors(encoding, *shape).items():
+                out[f"{base}.{suffix}"] = spec
         else:
             out[name] = (FP16, shape)
     return out
@@ -98,19 +108,15 @@ def packed_tensor_count(dims: ModelDims) -> int:
 def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0, encoding: str = "int4") -> dict[str, int]:
     """What one decode token must read from device memory, by kind (batch 1). The key
     "int4_weights" holds the projections' codes whatever the encoding (FP8: a byte each)."""
-    g = load().format.group_size
     kvb = load().kv_cache.dtype_bytes
-    int4 = scales = 0
+    codes = scales = 0
     for out_f, in_f in dims.projections().values():
-        if encoding == "fp8":
-            int4 += out_f * in_f * dims.num_layers
-            scales += out_f * 4 * dims.num_layers
-        else:
-            int4 += out_f * in_f // 2 * dims.num_layers
-            scales += out_f * (in_f // g) * 2 * dims.num_layers
+        t = projection_tensors(encoding, out_f, in_f)
+        codes += int(np.prod(t["qweight"][1])) * t["qweight"][0].itemsize * dims.num_layers
+        scales += int(np.prod(t["scales"][1])) * t["scales"][0].itemsize * dims.num_layers
     small = dims.num_layers * (2 * dims.hidden + dims.qkv_dim) * 2 + dims.hidden * 2
     return {
-        "int4_weights": int4,
+        "int4_weights": codes,
         "scales": scales,
         "lm_head_fp16": dims.vocab * dims.hidden * 2,
         "embedding_row": dims.hidden * 2,
@@ -120,34 +126,10 @@ def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0, encoding: s
 
 
 def decode_gemv_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
-    """The four INT4 GEMVs of a layer as the engine launches them: name -> (N, K).
+    """The four matrices of a layer as the engine stores and launches them: name -> (N, K).
     q/k/v are stacked into one qkv matrix and gate/up into one gate_up matrix."""
     h, i = dims.hidden, dims.intermediate
     return {"qkv": (dims.qkv_dim, h), "o_proj": (h, dims.q_dim), "gate_up": (2 * i, h), "down": (h, i)}
-
-
-def decode_region_bytes(dims: ModelDims, context_tokens: int, encoding: str = "int4") -> dict[str, int]:
-    """Weight and K/V bytes each region of a decode token must read (the regions of
-    GpuBackend.step_launches; activations left out, as in bytes_per_decode_token, whose
-    total this matches): the floor of each region is its bytes over the read ceiling."""
-    g, L = load().format.group_size, dims.num_layers
-    if encoding == "fp8":        # one byte per weight, one fp32 scale per row
-        int4 = {name: n * k + 4 * n for name, (n, k) in decode_gemv_shapes(dims).items()}
-    else:
-        int4 = {name: n * k // 2 + n * (k // g) * 2 for name, (n, k) in decode_gemv_shapes(dims).items()}
-    kvb = load().kv_cache.dtype_bytes
-    return {
-        "embed": dims.hidden * 2,
-        "norms": L * 2 * dims.hidden * 2 + dims.hidden * 2,
-        "qkv_gemv": L * (int4["qkv"] + dims.qkv_dim * 2),
-        "rope_append_kv": 0,
-        "paged_attention": 2 * L * dims.kv_dim * kvb * context_tokens,
-        "o_proj": L * int4["o_proj"],
-        "gate_up_gemv": L * int4["gate_up"],
-        "swiglu_down": L * int4["down"],
-        "lm_head+argmax": dims.vocab * dims.hidden * 2,
-        "step bookkeeping": 0,
-    }
 
 
 def prefill_flops(dims: ModelDims, tokens: int) -> dict[str, int]:

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanoqwen_lib.gpu.arena import ArenaPlan, DeviceArena
 from nanoqwen_lib.config import ModelDims, cuda_defines, load
 from nanoqwen_lib.errors import LimitError
+from nanoqwen_lib.gpu.arena import ArenaPlan, DeviceArena
+from nanoqwen_lib.gpu.layer import (ATTENTION, BOOKKEEPING, DOWN, EMBED, GATE_UP, LM_HEAD, NORM_IN, NORM_MLP,
+                                    NORM_OUT, O_PROJ, QKV, ROPE)
+from nanoqwen_lib.gpu.projection import ENCODINGS
 from nanoqwen_lib.model.generate import check_request
 
 KV = load().kv_cache
@@ -34,31 +37,19 @@ SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
 
 def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4") -> ArenaPlan:
     """Every device buffer of the engine, by name. Weights are re-arranged for the kernels:
-    q/k/v rows are stacked into one qkv matrix and gate/up into one gate_up matrix. The
-    projections' slots follow the file's encoding (INT4 words + fp16 group scales, or FP8
-    codes + fp32 row scales); an FP8 engine adds its activation buffers at the end."""
-    g = load().format.group_size
+    q/k/v rows are stacked into one qkv matrix and gate/up into one gate_up matrix
+    (layout.decode_gemv_shapes); the file's weight encoding lays out the four matrices and
+    adds the buffers its kernels need (gpu.projection)."""
+    projections = ENCODINGS[encoding]
     p = ArenaPlan()
     h, i = dims.hidden, dims.intermediate
-
-    def proj(name: str, n: int, k: int) -> None:
-        if encoding == "fp8":
-            p.add(name + ".qweight", np.uint8, (n, k))
-            p.add(name + ".scales", np.float32, (n,))
-        else:
-            p.add(name + ".qweight", np.uint32, (n, k // 8))
-            p.add(name + ".scales", np.float16, (n, k // g))
-
     p.add("w.embed", np.float16, (dims.vocab, h))
     for l in range(dims.num_layers):
         w = f"w.{l}."
         p.add(w + "ln1", np.float16, (h,))
-        proj(w + "qkv", dims.qkv_dim, h)
-        p.add(w + "qkv.bias", np.float16, (dims.qkv_dim,))
-        proj(w + "o", h, dims.q_dim)
         p.add(w + "ln2", np.float16, (h,))
-        proj(w + "gate_up", 2 * i, h)
-        proj(w + "down", h, i)
+        p.add(w + "qkv.bias", np.float16, (dims.qkv_dim,))
+        projections.add_slots(p, w, dims)
     p.add("w.norm", np.float16, (h,))
     if not dims.tie_embeddings:
         p.add("w.lm_head", np.float16, (dims.vocab, h))
@@ -84,10 +75,7 @@ def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4") -> Aren
     p.add("s.free_pages", np.int32, (pages,))          # a stack; the step pops from the top
     p.add("s.generated", np.int32, (pages * KV.page_tokens,))  # argmax after each position
     p.add("s.prompt", np.int32, (pages * KV.page_tokens,))     # the prompt's ids (prefill)
-    if encoding == "fp8":
-        p.add("a.act", np.float16, (i,))                        # decode: silu(g) * u for the down GEMV
-        p.add("p.xq", np.uint8, (c * max(h, dims.q_dim, i),))   # prefill: E4M3 activations [T, K]
-        p.add("p.ts", np.float32, (c,))                         # ... and their per-token scales
+    projections.add_buffers(p, dims, c)
     return p
 
 
@@ -106,7 +94,7 @@ def weight_sources(dims: ModelDims) -> list[tuple[str, str, int]]:
                 out.append((f + f"self_attn.{x}_proj.{part}", w + f"qkv.{part}", r))
             out.append((f + f"self_attn.{x}_proj.bias", w + "qkv.bias", r))
         for part in ("qweight", "scales"):
-            out += [(f + f"self_attn.o_proj.{part}", w + f"o.{part}", 0),
+            out += [(f + f"self_attn.o_proj.{part}", w + f"o_proj.{part}", 0),
                     (f + f"mlp.gate_proj.{part}", w + f"gate_up.{part}", 0),
                     (f + f"mlp.up_proj.{part}", w + f"gate_up.{part}", dims.intermediate),
                     (f + f"mlp.down_proj.{part}", w + f"down.{part}", 0)]
@@ -114,7 +102,9 @@ def weight_sources(dims: ModelDims) -> list[tuple[str, str, int]]:
 
 
 class GpuBackend:
-    """Greedy decode on the GPU; the backend protocol of generate.py.
+    """Greedy decode on the GPU; the backend protocol of generate.py. The file's weight
+    encoding (INT4 or FP8) picks the projections' kernels (gpu.projection); the rest of the
+    engine is the same for both.
 
     All work is enqueued on one stream. The step's bookkeeping (slot, context length, page
     allocation on a page boundary, position) runs on the device, so a decode step needs
@@ -123,23 +113,20 @@ class GpuBackend:
     """
 
     name = "gpu"
-    encoding = "int4"                 # the weight encoding this class's kernels read
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
                  prefill: str = "tensor-core"):
-        if nq_file.encoding != self.encoding:       # refused before anything touches the GPU
-            raise LimitError(nq_file.path, "layout_id", f"the {self.encoding} encoding for {type(self).__name__}",
-                             f"{nq_file.header.layout_id} ({nq_file.encoding})",
-                             "engine.gpu_backend(file) picks the engine for the file's encoding")
+        if prefill not in PREFILL_MODES:               # refused before anything touches the GPU
+            raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
         import cupy as cp
         from nanoqwen_lib.gpu import ops_attention, ops_gemv, ops_prefill
         from nanoqwen_lib.gpu.cuda_build import load_module
-        if prefill not in PREFILL_MODES:
-            raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
         self.cp, self.gemv, self.attn, self.pf = cp, ops_gemv, ops_attention, ops_prefill
         dims = self.dims = nq_file.dims
+        self.encoding = nq_file.encoding
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
         self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding), source=nq_file.path)
+        self.proj = ENCODINGS[self.encoding](a)
         tensors = nq_file.model_tensors()      # validated before this point (NanoqwenFile.open)
         for src, dst, row in weight_sources(dims):
             a.upload(dst, tensors[src], row)
@@ -198,11 +185,11 @@ class GpuBackend:
     def step_launches(self, new_page: bool) -> list[tuple[str, object]]:
         """The decode step as (region, launch) pairs in order: the one description that the
         eager step, the graph capture and the ITL breakdown (nanoqwen_lib.measure.breakdown) share."""
-        out = [("step bookkeeping", lambda: self.begin_step(new_page)), ("embed", self.embed_step)]
+        out = [(BOOKKEEPING.name, lambda: self.begin_step(new_page)), (EMBED.name, self.embed_step)]
         for l in range(self.dims.num_layers):
             out += self.layer_launches(l)
         out += self.head_launches()
-        out.append(("step bookkeeping", self.end_step))
+        out.append((BOOKKEEPING.name, self.end_step))
         return out
 
     def enqueue_step(self, new_page: bool) -> None:
@@ -233,23 +220,21 @@ class GpuBackend:
         self.gemv.embed(self.scalar["token"], self.arena["w.embed"], self.arena["a.x"])
 
     def layer_launches(self, l: int) -> list[tuple[str, object]]:
-        """One decoder layer on a.x (in place), as (region, launch); this position's K/V are
-        appended to the cache."""
-        a, d, g, at = self.arena, self.dims, self.gemv, self.attn
+        """One decoder layer on a.x (in place), as (region, launch) in gpu.layer.LAYER's
+        order; this position's K/V are appended to the cache."""
+        a, d, g, at, p = self.arena, self.dims, self.gemv, self.attn, self.proj
         x, y, w = a["a.x"], a["a.y"], f"w.{l}."
         return [
-            ("norms", lambda: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
-            ("qkv_gemv", lambda: g.gemv_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], a["a.qkv"],
-                                             bias=a[w + "qkv.bias"])),
-            ("rope_append_kv", lambda: at.rope_append_kv(a["a.qkv"], self.scalar["position"], self.scalar["slot"],
-                                                         self.kv[l, 0], self.kv[l, 1], a["a.q"], d)),
-            ("paged_attention", lambda: at.paged_attention(a["a.q"], self.kv[l, 0], self.kv[l, 1], a["s.block_table"],
-                                                           self.scalar["context_len"], a["a.attn"], self.workspace)),
-            ("o_proj", lambda: g.gemv_int4(a["a.attn"], a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)),
-            ("norms", lambda: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
-            ("gate_up_gemv", lambda: g.gemv_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], a["a.gate_up"])),
-            ("swiglu_down", lambda: g.gemv_int4_swiglu(a["a.gate_up"], a[w + "down.qweight"], a[w + "down.scales"],
-                                                       x, residual=x)),
+            (NORM_IN.name, lambda: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
+            (QKV.name, p.decode(w + "qkv", y, a["a.qkv"], bias=a[w + "qkv.bias"])),
+            (ROPE.name, lambda: at.rope_append_kv(a["a.qkv"], self.scalar["position"], self.scalar["slot"],
+                                                  self.kv[l, 0], self.kv[l, 1], a["a.q"], d)),
+            (ATTENTION.name, lambda: at.paged_attention(a["a.q"], self.kv[l, 0], self.kv[l, 1], a["s.block_table"],
+                                                        self.scalar["context_len"], a["a.attn"], self.workspace)),
+            (O_PROJ.name, p.decode(w + "o_proj", a["a.attn"], x, residual=x)),
+            (NORM_MLP.name, lambda: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
+            (GATE_UP.name, p.decode(w + "gate_up", y, a["a.gate_up"])),
+            (DOWN.name, p.decode_swiglu(w + "down", a["a.gate_up"], x, residual=x)),
         ]
 
     def layer_step(self, l: int) -> None:
@@ -262,9 +247,9 @@ class GpuBackend:
         row), then lm_head with the argmax fused, into the token scalar."""
         a, g = self.arena, self.gemv
         x = a["a.x"] if x is None else x
-        return [("norms", lambda: g.rmsnorm(x, a["w.norm"], a["a.y"], self.dims.rms_eps)),
-                ("lm_head+argmax", lambda: g.lm_head(a["a.y"], self.lm_head, a["a.logits"],
-                                                     token_out=self.scalar["token"]))]
+        return [(NORM_OUT.name, lambda: g.rmsnorm(x, a["w.norm"], a["a.y"], self.dims.rms_eps)),
+                (LM_HEAD.name, lambda: g.lm_head(a["a.y"], self.lm_head, a["a.logits"],
+                                                 token_out=self.scalar["token"]))]
 
     def head_step(self) -> None:
         for _, launch in self.head_launches():
@@ -315,38 +300,34 @@ class GpuBackend:
         return int(self.arena["s.generated"][position].get())
 
     # ------------------------------------------------------------------ prefill
-    PREFILL_GEMMS = "INT4 tensor-core GEMMs"        # what this class's prefill projections run on
-
     @property
     def prefill_kind(self) -> str:
         if self.prefill_mode == "tensor-core":
-            return f"{self.PREFILL_GEMMS}, chunks of {self.chunk} tokens"
+            return f"{self.proj.prefill_gemms}, chunks of {self.chunk} tokens"
         return "token by token through the decode step"
-
 
     def prefill_launches(self, start: int, t: int) -> list[tuple[str, object]]:
         """Prompt positions start .. start+t-1 through every layer as one batch (rows of the
-        p.* buffers), as (region, launch): their K and V go to the pages, and attention reads
-        all earlier ones there."""
-        a, d, g, pf = self.arena, self.dims, self.gemv, self.pf
+        p.* buffers), as (region, launch) in gpu.layer.LAYER's order under the regions'
+        prefill names: their K and V go to the pages, and attention reads all earlier ones
+        there."""
+        a, d, g, pf, p = self.arena, self.dims, self.gemv, self.pf, self.proj
         x, y, qkv, q = a["p.x"][:t], a["p.y"][:t], a["p.qkv"][:t], a["p.q"][:t]
         attn, gate_up, act, bt = a["p.attn"][:t], a["p.gate_up"][:t], a["p.act"][:t], a["s.block_table"]
-        out = [("embed", lambda: g.embed(a["s.prompt"][start:start + t], a["w.embed"], x))]
+        out = [(EMBED.prefill, lambda: g.embed(a["s.prompt"][start:start + t], a["w.embed"], x))]
         for l in range(d.num_layers):
             w, k_pool, v_pool = f"w.{l}.", self.kv[l, 0], self.kv[l, 1]
             out += [
-                ("norms", lambda w=w: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
-                ("qkv_gemm", lambda w=w: pf.gemm_int4(y, a[w + "qkv.qweight"], a[w + "qkv.scales"], qkv,
-                                                      bias=a[w + "qkv.bias"])),
-                ("rope_write_kv", lambda k=k_pool, v=v_pool: pf.prefill_rope_write_kv(qkv, k, v, bt, q, d,
-                                                                                      start_pos=start)),
-                ("prefill_attention", lambda k=k_pool, v=v_pool: pf.prefill_attention(q, k, v, bt, attn, d,
-                                                                                      start_pos=start)),
-                ("o_proj_gemm", lambda w=w: pf.gemm_int4(attn, a[w + "o.qweight"], a[w + "o.scales"], x, residual=x)),
-                ("norms", lambda w=w: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
-                ("gate_up_gemm", lambda w=w: pf.gemm_int4(y, a[w + "gate_up.qweight"], a[w + "gate_up.scales"], gate_up)),
-                ("swiglu_down_gemm", lambda w=w: pf.gemm_int4_swiglu(gate_up, a[w + "down.qweight"], a[w + "down.scales"],
-                                                                    x, residual=x, act=act)),
+                (NORM_IN.prefill, lambda w=w: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
+                (QKV.prefill, p.prefill(w + "qkv", y, qkv, bias=a[w + "qkv.bias"])),
+                (ROPE.prefill, lambda k=k_pool, v=v_pool: pf.prefill_rope_write_kv(qkv, k, v, bt, q, d,
+                                                                                   start_pos=start)),
+                (ATTENTION.prefill, lambda k=k_pool, v=v_pool: pf.prefill_attention(q, k, v, bt, attn, d,
+                                                                                    start_pos=start)),
+                (O_PROJ.prefill, p.prefill(w + "o_proj", attn, x, residual=x)),
+                (NORM_MLP.prefill, lambda w=w: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
+                (GATE_UP.prefill, p.prefill(w + "gate_up", y, gate_up)),
+                (DOWN.prefill, p.prefill_swiglu(w + "down", gate_up, act, x, residual=x)),
             ]
         return out
 
@@ -406,11 +387,3 @@ class GpuBackend:
             out.append(rows.transpose(0, 2, 1, 3).reshape(-1, self.dims.num_kv_heads, self.dims.head_dim)[:n])
         return out
 
-
-def gpu_backend(nq_file, **kwargs) -> GpuBackend:
-    """The GPU engine for the file's weight encoding: GpuBackend (INT4) or
-    engine_fp8.GpuBackendFp8 (FP8 E4M3)."""
-    if nq_file.encoding == "fp8":
-        from nanoqwen_lib.gpu.engine_fp8 import GpuBackendFp8
-        return GpuBackendFp8(nq_file, **kwargs)
-    return GpuBackend(nq_file, **kwargs)

@@ -76,7 +76,7 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     """The protocol; with breakdown=True also the ITL breakdown (breakdown.itl_breakdown) on
     the same engine after the timed run."""
     from nanoqwen_lib.measure.breakdown import itl_breakdown
-    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.measure.timing import measure_read_ceiling
     proto = load().benchmark
     prompt_tokens = prompt_tokens or proto.prompt_tokens
@@ -85,7 +85,7 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     dims = nq_file.dims
     prompt = np.random.default_rng(seed).integers(0, 151643, prompt_tokens).tolist()
     progress(f"loading {nq_file.path} onto the GPU")
-    engine = gpu_backend(nq_file, max_tokens=prompt_tokens + max(gen_tokens, 128) + 16, graphs=True,
+    engine = GpuBackend(nq_file, max_tokens=prompt_tokens + max(gen_tokens, 128) + 16, graphs=True,
                          prefill=prefill)
     for i in range(warmup):
         progress(f"warm-up {i + 1}/{warmup}")

@@ -1,8 +1,8 @@
 """The ITL breakdown: where the time of one decode token goes, region by region.
 
-A region is a named part of the step (GpuBackend.step_launches: "embed", "norms",
-"qkv_gemv", "rope_append_kv", "paged_attention", "o_proj", "gate_up_gemv", "swiglu_down",
-"lm_head+argmax" (the argmax is fused into lm_head's last CTA), "step bookkeeping").
+A region is a named part of the step: gpu.layer's description, which the engine launches
+from (GpuBackend.step_launches) and which gives each region's floor
+(gpu.layer.decode_region_bytes).
 
     region time   every launch of the region in one token (28 of each per-layer kernel, in
                   step order, so each reads another layer's weights, as the step does),

@@ -199,7 +199,7 @@ def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = Non
     """The ladder on the GPU; stops at the first failing stage. Returns what each stage saw."""
     import cupy as cp
 
-    from nanoqwen_lib.gpu.engine import gpu_backend
+    from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.model.reference import ReferenceModel
     v = load().validation
     out = {}
@@ -212,7 +212,7 @@ def run_ladder(nq_file, prompts: int | None = None, new_tokens: int | None = Non
         else:
             ps = validation_prompts(prompts or v.graph_prompts)
             n = new_tokens or v.graph_gen_tokens
-            engine = gpu_backend(nq_file, max_tokens=max(map(len, ps)) + n + 16)
+            engine = GpuBackend(nq_file, max_tokens=max(map(len, ps)) + n + 16)
             reference = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
             f, refs = teacher_forced(engine, reference, ps, n, batch=reference_batch)
             progress(f.summary())

@@ -1,0 +1,123 @@
+"""One object per weight encoding for the layer's four projections (qkv, o_proj, gate_up,
+down): it owns their slots in the arena, the buffers its kernels need besides them, and the
+decode and prefill launches. The engine writes the layer once (gpu.engine, gpu.layer) and
+asks the file's encoding for the projections; nothing else in the engine knows how a
+matrix is stored.
+
+    int4  (layout 1)  decode: fused INT4 GEMV (+bias / +residual), SwiGLU fused into the
+                      down GEMV; prefill: INT4 tensor-core GEMMs, SwiGLU fused likewise
+    fp8   (layout 2)  decode: FP8 GEMV, SwiGLU as its own kernel into a.act, then the down
+                      GEMV; prefill: each projection's input quantized per token (E4M3 codes
+                      and one FP32 scale per row, as the reference model rounds them), then
+                      the FP8 tensor-core GEMM with both scales in the epilogue
+
+A launch is returned as a callable that reads everything per token from device memory, so
+the engine's lists can be run eagerly, captured into a CUDA graph, or timed region by region.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nanoqwen_lib.format.layout import decode_gemv_shapes, projection_tensors
+
+
+class Projections:
+    """The encoding-independent half: arena slots from format.layout.projection_tensors."""
+
+    encoding = ""
+    prefill_gemms = ""                      # what the prefill's projections run on, in words
+
+    def __init__(self, arena):
+        self.a = arena
+
+    @classmethod
+    def add_slots(cls, plan, layer_prefix: str, dims) -> None:
+        """The layer's four matrices: `<prefix><matrix>.qweight` and `.scales`."""
+        for matrix, (n, k) in decode_gemv_shapes(dims).items():
+            for suffix, (dtype, shape) in projection_tensors(cls.encoding, n, k).items():
+                plan.add(f"{layer_prefix}{matrix}.{suffix}", dtype, shape)
+
+    @classmethod
+    def add_buffers(cls, plan, dims, chunk: int) -> None:
+        """Activation buffers this encoding's kernels need beyond the engine's own."""
+
+    def weights(self, matrix: str) -> tuple:
+        return self.a[matrix + ".qweight"], self.a[matrix + ".scales"]
+
+
+class Int4Projections(Projections):
+    encoding = "int4"
+    prefill_gemms = "INT4 tensor-core GEMMs"
+
+    def __init__(self, arena):
+        super().__init__(arena)
+        from nanoqwen_lib.gpu import ops_gemv, ops_prefill
+        self.gemv, self.pf = ops_gemv, ops_prefill
+
+    def decode(self, matrix: str, x, out, bias=None, residual=None):
+        qw, sc = self.weights(matrix)
+        return lambda: self.gemv.gemv_int4(x, qw, sc, out, bias=bias, residual=residual)
+
+    def decode_swiglu(self, matrix: str, gate_up, out, residual=None):
+        """out (+)= W @ (silu(gate) * up), gate_up = [gate | up]."""
+        qw, sc = self.weights(matrix)
+        return lambda: self.gemv.gemv_int4_swiglu(gate_up, qw, sc, out, residual=residual)
+
+    def prefill(self, matrix: str, x, out, bias=None, residual=None):
+        qw, sc = self.weights(matrix)
+        return lambda: self.pf.gemm_int4(x, qw, sc, out, bias=bias, residual=residual)
+
+    def prefill_swiglu(self, matrix: str, gate_up, act, out, residual=None):
+        qw, sc = self.weights(matrix)
+        return lambda: self.pf.gemm_int4_swiglu(gate_up, qw, sc, out, residual=residual, act=act)
+
+
+class Fp8Projections(Projections):
+    encoding = "fp8"
+    prefill_gemms = "FP8 E4M3 GEMMs (mma.sync, per-token activation scales)"
+
+    def __init__(self, arena):
+        super().__init__(arena)
+        from nanoqwen_lib.gpu import ops_fp8, ops_prefill
+        self.f8, self.pf = ops_fp8, ops_prefill
+
+    @classmethod
+    def add_buffers(cls, plan, dims, chunk: int) -> None:
+        h, i = dims.hidden, dims.intermediate
+        plan.add("a.act", np.float16, (i,))                           # decode: silu(g) * u
+        plan.add("p.xq", np.uint8, (chunk * max(h, dims.q_dim, i),))   # prefill: E4M3 activations [T, K]
+        plan.add("p.ts", np.float32, (chunk,))                        # ... and their per-token scales
+
+    def decode(self, matrix: str, x, out, bias=None, residual=None):
+        qw, sc = self.weights(matrix)
+        return lambda: self.f8.gemv_fp8(x, qw, sc, out, bias=bias, residual=residual)
+
+    def decode_swiglu(self, matrix: str, gate_up, out, residual=None):
+        act = self.a["a.act"]
+        gemv = self.decode(matrix, act, out, residual=residual)
+
+        def launch():
+            self.pf.swiglu_act(gate_up.reshape(1, -1), act.reshape(1, -1))
+            gemv()
+        return launch
+
+    def prefill(self, matrix: str, x, out, bias=None, residual=None):
+        qw, sc = self.weights(matrix)
+        t, k = x.shape
+        xq, ts = self.a["p.xq"][:t * k].reshape(t, k), self.a["p.ts"][:t]
+
+        def launch():
+            self.f8.quantize_rows_fp8(x, xq, ts)
+            self.f8.gemm_fp8(xq, ts, qw, sc, out, bias=bias, residual=residual)
+        return launch
+
+    def prefill_swiglu(self, matrix: str, gate_up, act, out, residual=None):
+        gemm = self.prefill(matrix, act, out, residual=residual)
+
+        def launch():
+            self.pf.swiglu_act(gate_up, act)
+            gemm()
+        return launch
+
+
+ENCODINGS = {p.encoding: p for p in (Int4Projections, Fp8Projections)}
