@@ -221,7 +221,7 @@ def final_logits(x, norm_w, lm_head, eps, xp=np, rnd=round_fp16):
 
 
 # ---------------------------------------------------------------- the KV cache
-class KVCache:
+class ContiguousKV:
     """Per layer K and V as [capacity, kv_heads, head_dim] in act precision, contiguous.
     Rows [0, length) are valid; capacity doubles when a step would overflow it."""
 
@@ -276,7 +276,7 @@ class ReferenceModel:
         head = "model.embed_tokens.weight" if dims.tie_embeddings else "lm_head.weight"
         self.lm_head = xp.asarray(tensors[head]).astype("float32")             # fp16 values, fp32 math
 
-    def forward(self, ids, cache: KVCache, prefill: bool = False):
+    def forward(self, ids, cache: ContiguousKV, prefill: bool = False):
         """ids [T] (list or NumPy ints) at positions cache.length.. -> logits float32
         [T, vocab]; appends the T positions to cache. prefill=True: the prompt's batch (an
         FP8 model then rounds the projections' inputs to FP8, as its prefill kernels do)."""
@@ -293,15 +293,15 @@ class ReferenceModel:
         cache.length += len(ids)
         return final_logits(x, self.norm, self.lm_head, self.dims.rms_eps, xp, self.rnd)
 
-    def new_cache(self, capacity=64) -> KVCache:
-        return KVCache(self.dims, self.act_dtype, self.xp, capacity)
+    def new_cache(self, capacity=64) -> ContiguousKV:
+        return ContiguousKV(self.dims, self.act_dtype, self.xp, capacity)
 
     def prefill(self, ids):
         """ids [T] -> (logits float32 [T, vocab], cache holding T positions)."""
         cache = self.new_cache(max(64, len(ids)))
         return self.forward(ids, cache, prefill=True), cache
 
-    def decode(self, token_id, cache: KVCache):
+    def decode(self, token_id, cache: ContiguousKV):
         """One token at position cache.length -> logits float32 [vocab]."""
         return self.forward([int(token_id)], cache)[0]
 
