@@ -143,6 +143,16 @@ def save_pretrained_config(**kwargs) -> dict:
         return json.loads((Path(d) / "config.json").read_text())
 
 
+def transformers_config_of(dims: ModelDims) -> dict:
+    """The config.json transformers itself writes for a Qwen2 of these dims (never
+    dims.to_hf_config(): an oracle built from this cannot inherit a mistake of ours)."""
+    return save_pretrained_config(
+        architectures=["Qwen2ForCausalLM"], hidden_size=dims.hidden, intermediate_size=dims.intermediate,
+        num_hidden_layers=dims.num_layers, num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim, vocab_size=dims.vocab, max_position_embeddings=dims.max_position,
+        rope_theta=dims.rope_theta, rms_norm_eps=dims.rms_eps, tie_word_embeddings=dims.tie_embeddings)
+
+
 @functools.lru_cache(maxsize=1)
 def transformers_cases() -> tuple[ConfigCase, ...]:
     version = _transformers().__version__
