@@ -150,3 +150,31 @@ def test_files_without_the_metadata_use_the_defaults(tmp_path):
     assert f.chat_template is None and chat_prompt(f, tok, "hi") == tok.apply_chat_template([{"role": "user",
                                                                                               "content": "hi"}])
     assert f.hf_config["eos_token_id"] is None
+
+
+def test_generate_stops_at_the_checkpoints_eos_and_inspect_says_so(tmp_path, capsys):
+    """`nanoqwen generate` stops at generation_config.json's eos_token_id (not nanoqwen's
+    default ids), and `nanoqwen inspect` names where the EOS ids and template come from."""
+    from nanoqwen_lib.cli import main
+    ckpt = tmp_path / "ckpt"
+    random_qwen2(128, False, 1e6, seed=11).save_pretrained(ckpt)
+    free = tmp_path / "free.nanoqwen"
+    pack_checkpoint(ckpt, free, progress=False)
+    prompt = "5,6,7,8,9"
+    assert main(["generate", str(free), "--prompt-ids", prompt, "--max-new-tokens", "8", "--ids",
+                 "--ignore-eos", "--backend", "reference"]) == 0
+    run = [int(t) for t in capsys.readouterr().out.split()]
+    stop = next(t for t in run[2:] if t not in run[:2])          # a token first seen at step >= 2
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop, 2047]}))
+    (ckpt / "chat_template.jinja").write_text(chat_template_jinja())
+    stopping = tmp_path / "stopping.nanoqwen"
+    pack_checkpoint(ckpt, stopping, progress=False)
+    assert main(["generate", str(stopping), "--prompt-ids", prompt, "--max-new-tokens", "8", "--ids",
+                 "--backend", "reference"]) == 0
+    assert [int(t) for t in capsys.readouterr().out.split()] == run[:run.index(stop) + 1]
+    assert main(["inspect", str(stopping), "--header-only"]) == 0
+    out = capsys.readouterr().out
+    assert f"eos_ids      [{stop}, 2047] (the checkpoint's generation_config.json)" in out
+    assert "chat         the checkpoint's template" in out and "config.json  carried" in out
+    assert main(["inspect", str(free), "--header-only"]) == 0
+    assert "(the checkpoint's generation_config.json)" in capsys.readouterr().out   # save_pretrained wrote one
