@@ -71,7 +71,7 @@ class NanoqwenFile:
         work): every refusal names the file and the blob."""
         if self.blob(CONFIG_BLOB) is not None:
             parse_json_object(self.blob(CONFIG_BLOB), self.path, f"blob {CONFIG_BLOB!r}", FormatError)
-        self.generation_eos
+        _ = self.generation_eos     # parsed (and refused if bad) now, used by generate
         if self.chat_template is not None:
             check_chat_template(self.chat_template, f"{self.path} blob {CHAT_TEMPLATE_BLOB!r}", FormatError)
 
