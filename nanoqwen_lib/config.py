@@ -44,6 +44,9 @@ REFUSED_KEYS = {
     "partial_rotary_factor": "partial RoPE is not implemented",
 }
 HIDDEN_ACTS = ("silu", "swish")      # transformers' ACT2FN maps both to SiLU
+# transformers' defaults where config.json is silent (PreTrainedConfig.default_theta,
+# Qwen2Config.max_window_layers); nanoqwen reads the same file, so it must fill in the same.
+HF_DEFAULT_THETA, HF_DEFAULT_MAX_WINDOW_LAYERS = 10000.0, 28
 ROPE_KEYS = ("rope_scaling", "rope_parameters")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -84,7 +87,7 @@ def rope_theta_of(cfg: dict, source="config.json") -> float:
     if "rope_theta" in rope:
         theta, field = rope["rope_theta"], f"{key}.rope_theta"
     else:
-        theta, field = cfg.get("rope_theta", 10000.0), "rope_theta"
+        theta, field = cfg.get("rope_theta", HF_DEFAULT_THETA), "rope_theta"
     return _real_in(theta, source, field, 0.0, math.inf)
 
 
@@ -104,7 +107,7 @@ def check_full_attention(cfg: dict, num_layers: int, source="config.json") -> No
     if not isinstance(cfg.get("use_sliding_window", False), bool):
         raise ConfigError(source, "use_sliding_window", "true or false", _brief(cfg["use_sliding_window"]))
     if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
-        first = cfg.get("max_window_layers", 28)
+        first = cfg.get("max_window_layers", HF_DEFAULT_MAX_WINDOW_LAYERS)
         if not isinstance(first, int) or isinstance(first, bool):
             raise ConfigError(source, "max_window_layers", "an integer", _brief(first))
         if first < num_layers:

@@ -98,6 +98,11 @@ def derived_cases() -> list[ConfigCase]:
               lambda c: (c.pop("layer_types"), c.update(use_sliding_window=True, sliding_window=32768))),
         _edit("qwen2.5-3b-instruct", "use-sliding-window", COMPUTED,   # max_window_layers 70 >= 36 layers: none slide
               lambda c: c.update(use_sliding_window=True)),
+        _edit("qwen2.5-7b-instruct", "no-rope-theta", COMPUTED,      # both fall back to 10000
+              lambda c: c.pop("rope_theta")),
+        _edit("qwen2.5-1.5b-instruct-transformers5-resave", "sliding-no-max-window-layers", COMPUTED,
+              lambda c: (c.pop("layer_types"), c.pop("max_window_layers"),   # default 28 = all 28 layers full
+                         c.update(use_sliding_window=True, sliding_window=32768))),
         _edit("qwen2-0.5b", "kv-heads-null", "num_attention_heads / num_key_value_heads",   # = 14 heads: GQA 1
               lambda c: c.update(num_key_value_heads=None)),
     ]
