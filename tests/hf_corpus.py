@@ -87,20 +87,20 @@ def derived_cases() -> list[ConfigCase]:
         _edit("qwen2.5-7b-instruct-1m", "dca", "dual_chunk_attention_config",
               lambda c: c.update(dual_chunk_attention_config={"chunk_size": 262144, "local_size": 8192,
                                                               "original_max_position_embeddings": 262144})),
-        _edit("qwen2.5-1.5b-instruct-transformers5-resave", "yarn", "rope_parameters.rope_type",
+        _edit("qwen2.5-1.5b-instruct-tf5", "yarn", "rope_parameters.rope_type",
               lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
                                                   "original_max_position_embeddings": 32768})),
-        _edit("qwen2.5-1.5b-instruct-transformers5-resave", "theta-in-both", COMPUTED,   # rope_parameters' own wins
+        _edit("qwen2.5-1.5b-instruct-tf5", "theta-in-both", COMPUTED,   # rope_parameters' own wins
               lambda c: c.update(rope_theta=10000.0)),
-        _edit("qwen2.5-1.5b-instruct-transformers5-resave", "sliding-layer-types", "layer_types[21]",
+        _edit("qwen2.5-1.5b-instruct-tf5", "sliding-layer-types", "layer_types[21]",
               lambda c: c.update(layer_types=layers21)),
-        _edit("qwen2.5-1.5b-instruct-transformers5-resave", "use-sliding-window", "use_sliding_window",
+        _edit("qwen2.5-1.5b-instruct-tf5", "use-sliding-window", "use_sliding_window",
               lambda c: (c.pop("layer_types"), c.update(use_sliding_window=True, sliding_window=32768))),
         _edit("qwen2.5-3b-instruct", "use-sliding-window", COMPUTED,   # max_window_layers 70 >= 36 layers: none slide
               lambda c: c.update(use_sliding_window=True)),
         _edit("qwen2.5-7b-instruct", "no-rope-theta", COMPUTED,      # both fall back to 10000
               lambda c: c.pop("rope_theta")),
-        _edit("qwen2.5-1.5b-instruct-transformers5-resave", "sliding-no-max-window-layers", COMPUTED,
+        _edit("qwen2.5-1.5b-instruct-tf5", "sliding-no-max-window", COMPUTED,
               lambda c: (c.pop("layer_types"), c.pop("max_window_layers"),   # default 28 = all 28 layers full
                          c.update(use_sliding_window=True, sliding_window=32768))),
         _edit("qwen2-0.5b", "kv-heads-null", "num_attention_heads / num_key_value_heads",   # = 14 heads: GQA 1

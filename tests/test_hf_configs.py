@@ -36,7 +36,7 @@ def test_corpus_covers_the_issue():
     """Every family the corpus should hold is there, real where a real file was found."""
     real = {c.name for c in CASES if c.source == "real"}
     assert {"qwen2-0.5b", "qwen2.5-7b-instruct", "qwen2.5-7b-instruct-1m",
-            "qwen2.5-1.5b-instruct-transformers5-resave", "qwen2.5-32b-gptq-int4"} <= real
+            "qwen2.5-1.5b-instruct-tf5", "qwen2.5-32b-gptq-int4"} <= real
     index = json.loads((corpus.DATA / "index.json").read_text())["files"]
     assert sorted(p.name for p in corpus.DATA.glob("*.json") if p.name != "index.json") == sorted(index)
     refused = {c.expect for c in CASES if c.expect != corpus.COMPUTED}
@@ -50,6 +50,6 @@ def test_corpus_covers_the_issue():
 def test_the_old_fallback_would_have_misread_transformers5():
     """The bug of issue 13: a transformers-5 save has no top-level rope_theta; reading
     theta from there gives 10000, transformers reads 1e6 from rope_parameters."""
-    case = next(c for c in CASES if c.name == "qwen2.5-1.5b-instruct-transformers5-resave")
+    case = next(c for c in CASES if c.name == "qwen2.5-1.5b-instruct-tf5")
     assert "rope_theta" not in case.config
     assert corpus.nanoqwen_reading(case).rope_theta == corpus.transformers_reading(case)[0]["rope_theta"] == 1e6
