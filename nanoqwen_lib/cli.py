@@ -121,6 +121,24 @@ def _load_tokenizer(nq_file):
         raise type(e)(nq_file.path, f"tensor 'tokenizer.json': {e.field}", e.expected, e.found) from None
 
 
+def eos_ids(nq_file, tok) -> tuple[int, ...]:
+    """The checkpoint's own EOS ids (generation_config.json, else config.json) when the file
+    carries them, else the tokenizer's defaults (nanoqwen.yaml)."""
+    carried = nq_file.generation_eos
+    return carried[0] if carried else tuple(tok.eos_ids)
+
+
+def chat_prompt(nq_file, tok, text: str) -> str:
+    """One user turn under the checkpoint's own chat template when the file carries one,
+    else the built-in Qwen2.5 template."""
+    from nanoqwen_lib.format.hf_meta import render_chat
+    messages = [{"role": "user", "content": text}]
+    template = nq_file.chat_template
+    if template is None:
+        return tok.apply_chat_template(messages)
+    return render_chat(template, messages, source=nq_file.path)
+
+
 def cmd_generate(a) -> int:
     from nanoqwen_lib.model.generate import check_request, generate_ids, stream_text
     from nanoqwen_lib.format.weightfile import NanoqwenFile
@@ -129,12 +147,12 @@ def cmd_generate(a) -> int:
     if a.prompt_ids is not None:
         prompt = _ids(a.prompt_ids)
     else:
-        text = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+        text = chat_prompt(f, tok, a.prompt) if a.chat else a.prompt
         prompt = tok.encode(text)
     check_request(f.dims, prompt, a.max_new_tokens)  # before any backend (GPU) work
     backend_name = a.backend or _default_backend()
     backend = make_backend(backend_name, f)
-    ids = generate_ids(backend, prompt, a.max_new_tokens, eos_ids=() if a.ignore_eos else tuple(tok.eos_ids))
+    ids = generate_ids(backend, prompt, a.max_new_tokens, eos_ids=() if a.ignore_eos else eos_ids(f, tok))
     if a.ids:
         print(" ".join(str(t) for t in ids))
     else:
@@ -154,6 +172,10 @@ def cmd_demo(a) -> int:
     out = packed_synthetic("tiny", seed=0, progress=True)
     backend = a.backend or _default_backend()
     print(f"file       {out} ({out.stat().st_size / 1e6:.1f} MB)\nbackend    {backend}")
+    from nanoqwen_lib.format.inspect_file import generation_settings
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    for line in generation_settings(NanoqwenFile.open(out, verify_payload=False)):
+        print(line)
     ns = argparse.Namespace(file=out, prompt="def quicksort(xs):", prompt_ids=None, chat=False,
                             max_new_tokens=a.max_new_tokens, backend=backend, ids=False,
                             ignore_eos=True, no_verify=False)
@@ -235,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (tokenized with the file's Qwen tokenizer)")
     g.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
-    s.add_argument("--chat", action="store_true", help="wrap --prompt in the Qwen2.5 chat template")
+    s.add_argument("--chat", action="store_true",
+                   help="wrap --prompt in the file's chat template (the checkpoint's own, else Qwen2.5's)")
     s.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     s.add_argument("--backend", choices=["reference", "gpu"], help="default: gpu when one is present")
     s.add_argument("--ids", action="store_true", help="print generated token ids on one line, not text")

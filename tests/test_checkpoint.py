@@ -85,12 +85,46 @@ def test_single_file_tied_checkpoint(hd64_single_dir):
     ckpt = Checkpoint.open(hd64_single_dir)
     assert ckpt.dims == load().model("tiny-hd64") and "lm_head.weight" not in ckpt.names()
     assert ckpt.file_of("model.norm.weight").name == "model.safetensors"
-    # a tied checkpoint that still stores lm_head.weight is tolerated (and ignored)
-    write_safetensors(hd64_single_dir / "extra.safetensors", {"lm_head.weight": np.zeros((2, 3), np.float32)})
-    (hd64_single_dir / "model.safetensors").rename(hd64_single_dir / "main.safetensors")
-    wm = {n: "main.safetensors" for n in hf_tensors(ckpt.dims)} | {"lm_head.weight": "extra.safetensors"}
-    (hd64_single_dir / INDEX).write_text(json.dumps({"weight_map": wm}))
-    assert Checkpoint.open(hd64_single_dir).names() == ckpt.names()
+
+
+def test_tied_checkpoint_lm_head_as_transformers_loads_it(hd64_single_dir, tmp_path):
+    """A tied config whose files store lm_head.weight, as transformers 5 loads it: equal to
+    the embedding -> tied; different -> untied (transformers keeps both matrices); only
+    lm_head.weight stored -> it is the embedding. Leftover rotary inv_freq buffers are ignored."""
+    ckpt = Checkpoint.open(hd64_single_dir)
+    embed = ckpt.tensor("model.embed_tokens.weight")
+    d = tmp_path / "tied"
+    d.mkdir()
+    for f in hd64_single_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, d / f.name)
+    (d / "main.safetensors").symlink_to(hd64_single_dir / "model.safetensors")
+    main = {n: "main.safetensors" for n in hf_tensors(ckpt.dims)}
+
+    def with_extra(tensors):
+        write_safetensors(d / "extra.safetensors", tensors)
+        wm = main | {n: "extra.safetensors" for n in tensors}
+        (d / INDEX).write_text(json.dumps({"weight_map": wm}))
+        return Checkpoint.open(d)
+
+    inv_freq = np.ones(32, np.float32)
+    same = with_extra({"lm_head.weight": embed, "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq})
+    assert same.dims.tie_embeddings and same.names() == ckpt.names()
+    other = embed[::-1].copy()
+    diff = with_extra({"lm_head.weight": other})
+    assert not diff.dims.tie_embeddings and diff.names() == ckpt.names() + ["lm_head.weight"]
+    np.testing.assert_array_equal(diff.tensor("lm_head.weight"), other)
+    np.testing.assert_array_equal(diff.tensor("model.embed_tokens.weight"), embed)
+    d_only = tmp_path / "only_lm_head"
+    d_only.mkdir()
+    shutil.copy(d / "config.json", d_only / "config.json")
+    write_safetensors(d_only / "model.safetensors", {"lm_head.weight": other} | {
+        n: ckpt.tensor(n) for n in ckpt.names() if n != "model.embed_tokens.weight"})
+    only = Checkpoint.open(d_only)
+    assert only.dims.tie_embeddings and only.names() == ckpt.names()
+    np.testing.assert_array_equal(only.tensor("model.embed_tokens.weight"), other)
+    with pytest.raises(CheckpointError, match="lm_head.weight' shape"):
+        with_extra({"lm_head.weight": np.zeros((2, 3), np.float32)})
 
 
 def expect(exc, *parts, fn):

@@ -128,3 +128,30 @@ def test_existing_file_replaced_only_when_complete(tmp_path):
     with pytest.raises(Boom):
         write_nanoqwen(path, MICRO, failing)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["m.nanoqwen"]
+
+
+def test_blobs_round_trip_and_are_validated(tmp_path):
+    """config.json, generation_config.json and the chat template ride after the tensors;
+    a carried generation config or template that does not parse is refused at open,
+    naming the file and the blob."""
+    from nanoqwen_lib.errors import FormatError
+    from nanoqwen_lib.format.fileformat import CHAT_TEMPLATE_BLOB, CONFIG_BLOB, GENERATION_BLOB
+    blobs = {CONFIG_BLOB: b'{"eos_token_id": 3}', GENERATION_BLOB: b'{"eos_token_id": [4, 5]}',
+             CHAT_TEMPLATE_BLOB: "{{ messages[0]['content'] }}\u00df".encode()}
+    path = tmp_path / "b.nanoqwen"
+    write_nanoqwen(path, MICRO, random_producer(2), tokenizer_json=b'{"model": {}}', blobs=blobs)
+    f = NanoqwenFile.open(path)
+    assert [e.name for e in f.entries][-4:] == ["tokenizer.json", CONFIG_BLOB, GENERATION_BLOB, CHAT_TEMPLATE_BLOB]
+    assert f.hf_config == {"eos_token_id": 3} and f.generation_eos == ((4, 5), "generation_config.json")
+    assert f.chat_template == "{{ messages[0]['content'] }}\u00df" and set(f.model_tensors()).isdisjoint(blobs)
+    no_gen = tmp_path / "c.nanoqwen"
+    write_nanoqwen(no_gen, MICRO, random_producer(2), blobs={CONFIG_BLOB: blobs[CONFIG_BLOB]})
+    assert NanoqwenFile.open(no_gen).generation_eos == ((3,), "config.json")
+    for name, raw, field in ((GENERATION_BLOB, b'{"eos_token_id": "x"}', "eos_token_id"),
+                             (CONFIG_BLOB, b"[1]", "blob 'config.json'"),
+                             (CHAT_TEMPLATE_BLOB, b"{% if %}", "chat_template")):
+        bad = tmp_path / f"bad-{name}.nanoqwen"
+        write_nanoqwen(bad, MICRO, random_producer(2), blobs={**blobs, name: raw})
+        with pytest.raises(FormatError, match=field) as e:
+            NanoqwenFile.open(bad)
+        assert str(bad) in str(e.value)

@@ -25,7 +25,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2 import modeling_qwen2 as hf_qwen2  # noqa: E402
 
+from nanoqwen_lib.config import ModelDims  # noqa: E402
 from nanoqwen_lib.model.oracle import hf_model  # noqa: E402
+
+from .hf_corpus import transformers_config_of  # noqa: E402
 
 CONFIGS = ("tiny", "tiny-hd64")
 LOGIT_STD = 8.0   # confident logits: top-2 gaps are mostly far above FP16 noise
@@ -74,11 +77,21 @@ def weights(name):
 
 
 @functools.lru_cache(maxsize=None)
+def hf_config(name) -> dict:
+    """The config.json transformers writes for these dims; ours reads it back as the dims."""
+    dims = load().model(name)
+    cfg = transformers_config_of(dims)
+    assert ModelDims.from_hf_config(cfg) == dims
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
 def synthetic(name):
-    """-> (dims, packed tensors, HF model, {act_dtype: ReferenceModel on NumPy})."""
+    """-> (dims, packed tensors, HF model, {act_dtype: ReferenceModel on NumPy}). The HF
+    model is built from transformers' own config.json for the dims, not from ours."""
     dims, packed, hf_state = weights(name)
     models = {a: ref.ReferenceModel(dims, packed, act_dtype=a) for a in ref.ACT_DTYPES}
-    return dims, packed, hf_model(dims, hf_state), models
+    return dims, packed, hf_model(dims, hf_state, hf_config(name)), models
 
 
 def prompt(dims, n, seed=0):
@@ -243,7 +256,7 @@ def test_rmsnorm_matches_float64():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rope_matches_transformers(head_dim):
     dims = load().model("tiny" if head_dim == 128 else "tiny-hd64")
-    cfg = transformers.Qwen2Config(**dims.to_hf_config())
+    cfg = transformers.Qwen2Config.from_dict(hf_config("tiny" if head_dim == 128 else "tiny-hd64"))
     positions = np.array([0, 1, 2, 15, 16, 48, 511, 4095, 32767])
     x = torch.zeros(1)
     cos_hf, sin_hf = hf_qwen2.Qwen2RotaryEmbedding(cfg)(x, torch.tensor(positions)[None])

@@ -73,6 +73,11 @@ DIR_STRUCT = struct.Struct("<" + "".join(code for _, code, _ in DIR_FIELDS))
 DTYPES = {1: np.dtype("<f2"), 2: np.dtype("<u4"), 3: np.dtype("u1"), 4: np.dtype("<f4")}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 TOKENIZER_BLOB = "tokenizer.json"  # optional: the checkpoint's tokenizer, carried in the file
+# Optional byte blobs (uint8, 1-D) after the model's tensors, in this order: the
+# checkpoint's tokenizer, its config.json (the oracle builds transformers' model from it),
+# its generation_config.json (EOS ids) and its chat template (format.hf_meta).
+CONFIG_BLOB, GENERATION_BLOB, CHAT_TEMPLATE_BLOB = "config.json", "generation_config.json", "chat_template.jinja"
+BLOBS = (TOKENIZER_BLOB, CONFIG_BLOB, GENERATION_BLOB, CHAT_TEMPLATE_BLOB)
 DIMS_FIELDS = ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads",
                "head_dim", "vocab", "max_position", "rope_theta", "rms_eps", "tie_embeddings")
 assert HEADER_STRUCT.size <= HEADER_CRC_AT and DIR_STRUCT.size <= FMT.dir_entry_bytes
@@ -103,18 +108,31 @@ class Header:
             raise AttributeError(k) from None
 
 
-def expected_entries(dims: ModelDims, tokenizer_bytes: int | None,
-                     encoding: str = "int4") -> dict[str, tuple[np.dtype, tuple]]:
+def blob_sizes(blobs) -> dict[str, int]:
+    """None, the tokenizer's byte count, or {blob name: bytes} -> {blob name: bytes}."""
+    if blobs is None:
+        return {}
+    if isinstance(blobs, int):
+        return {TOKENIZER_BLOB: blobs}
+    return {name: (len(v) if isinstance(v, (bytes, bytearray)) else int(v)) for name, v in blobs.items()}
+
+
+def expected_entries(dims: ModelDims, blobs, encoding: str = "int4") -> dict[str, tuple[np.dtype, tuple]]:
+    """Every entry of a file: the model's tensors, then the blobs it carries (`blobs`: see
+    blob_sizes), in BLOBS order."""
     exp = dict(packed_tensors(dims, encoding))
-    if tokenizer_bytes is not None:
-        exp[TOKENIZER_BLOB] = (DTYPES[3], (tokenizer_bytes,))
+    sizes = blob_sizes(blobs)
+    for name in BLOBS:
+        if name in sizes:
+            exp[name] = (DTYPES[3], (sizes[name],))
     return exp
 
 
-def plan_layout(dims: ModelDims, tokenizer_bytes: int | None = None,
+def plan_layout(dims: ModelDims, blobs=None,
                 encoding: str = "int4") -> tuple[list[TensorEntry], int, int]:
-    """Offsets of every payload: (entries without CRCs, data_offset, file_bytes)."""
-    exp = expected_entries(dims, tokenizer_bytes, encoding)
+    """Offsets of every payload: (entries without CRCs, data_offset, file_bytes); `blobs`:
+    None, the tokenizer's byte count, or {blob name: bytes or byte count}."""
+    exp = expected_entries(dims, blobs, encoding)
     data_offset = align_up(FMT.header_bytes + len(exp) * FMT.dir_entry_bytes)
     entries, off = [], data_offset
     for name, (dt, shape) in exp.items():
@@ -213,8 +231,8 @@ def dims_of(path, h: Header) -> ModelDims:
 def parse_directory(path, h: Header, dims: ModelDims, directory: bytes) -> list[TensorEntry]:
     """Decode and validate every directory entry against the dims and the file."""
     count = packed_tensor_count(dims)
-    _check(path, "n_tensors", h.n_tensors in (count, count + 1),
-           f"{count} (or {count + 1} with the tokenizer) for these dims", h.n_tensors)
+    _check(path, "n_tensors", count <= h.n_tensors <= count + len(BLOBS),
+           f"{count} for these dims (up to {count + len(BLOBS)} with the blobs {list(BLOBS)})", h.n_tensors)
     _check(path, "dir_crc32", zlib.crc32(directory) == h.dir_crc32, f"{zlib.crc32(directory):#010x}",
            f"{h.dir_crc32:#010x}", "the tensor directory is corrupted")
     entries, seen = [], set()
@@ -233,8 +251,8 @@ def parse_directory(path, h: Header, dims: ModelDims, directory: bytes) -> list[
         _check(path, f"{where}: ndim", ndim in (1, 2), "1 or 2", ndim)
         shape = (s0,) if ndim == 1 else (s0, s1)
         entries.append(TensorEntry(name, DTYPES[code], shape, off, nbytes, crc))
-    tok = next((e for e in entries if e.name == TOKENIZER_BLOB), None)
-    expected = expected_entries(dims, tok.shape[0] if tok else None, ENCODING_OF_LAYOUT[h.layout_id])
+    blobs = {e.name: e.shape[0] for e in entries if e.name in BLOBS}
+    expected = expected_entries(dims, blobs, ENCODING_OF_LAYOUT[h.layout_id])
     names = [e.name for e in entries]
     missing = [n for n in expected if n not in seen]
     _check(path, "tensors", not missing, "every tensor of the model", f"{len(missing)} missing",

@@ -1,7 +1,22 @@
 """`nanoqwen inspect`: the header and tensor table of a validated file, as text."""
 from __future__ import annotations
 
+from nanoqwen_lib.config import load
 from nanoqwen_lib.format.fileformat import HEADER_FIELDS
+
+
+def generation_settings(f) -> list[str]:
+    """Which EOS ids and chat template generate uses for this file, and where they come from."""
+    carried = f.generation_eos
+    if carried:
+        eos = f"eos_ids      {list(carried[0])} (the checkpoint's {carried[1]})"
+    else:
+        eos = f"eos_ids      {list(load().tokenizer.eos_ids)} (default: nanoqwen.yaml tokenizer.eos_ids)"
+    t = f.chat_template
+    chat = (f"chat         the checkpoint's template ({len(t):,} characters)" if t is not None
+            else "chat         default: Qwen2.5's template (built in)")
+    cfg = f"config.json  {'carried' if f.hf_config is not None else 'not carried (packed from dims only)'}"
+    return [eos, chat, cfg]
 
 
 def describe(f, tensors: bool = True) -> str:
@@ -12,6 +27,7 @@ def describe(f, tensors: bool = True) -> str:
         v = h[name]
         v = v.decode() if isinstance(v, bytes) else (f"{v:#010x}" if name.endswith("crc32") else v)
         lines.append(f"  {name:<16} {str(v):<14} {meaning}")
+    lines += ["", "generation:"] + [f"  {line}" for line in generation_settings(f)]
     if tensors:
         lines += ["", f"tensors ({len(f.entries)}):",
                   f"  {'name':<52} {'dtype':<7} {'shape':<16} {'offset':>14} {'bytes':>12}  crc32"]

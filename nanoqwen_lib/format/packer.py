@@ -14,7 +14,7 @@ import numpy as np
 
 from nanoqwen_lib.format.checkpoint import Checkpoint
 from nanoqwen_lib.errors import CheckpointError
-from nanoqwen_lib.format.fileformat import plan_layout
+from nanoqwen_lib.format.fileformat import TOKENIZER_BLOB, plan_layout
 from nanoqwen_lib.format.layout import ENCODINGS
 from nanoqwen_lib.format.quant import pack_int4_value_shuffle, quantize_fp8_rowwise, quantize_int4_groupwise
 from nanoqwen_lib.format.weightfile import write_nanoqwen
@@ -62,15 +62,17 @@ def pack_checkpoint(ckpt_dir, out_path, progress: bool = True, include_tokenizer
         raise CheckpointError("<arguments>", "weights", f"one of {sorted(ENCODINGS)}", repr(weights))
     ckpt = Checkpoint.open(ckpt_dir)  # validates everything before any work
     tok_path = ckpt.tokenizer_json_path() if include_tokenizer else None
-    tok = Path(tok_path).read_bytes() if tok_path else None
-    _, _, total = plan_layout(ckpt.dims, None if tok is None else len(tok), weights)
+    blobs = ckpt.blobs()
+    if tok_path:
+        blobs[TOKENIZER_BLOB] = Path(tok_path).read_bytes()
+    _, _, total = plan_layout(ckpt.dims, blobs, weights)
     bar = None
     if progress:
         from tqdm import tqdm  # the console bar: no ipywidgets needed in notebooks
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"pack {Path(out_path).name}")
     try:
-        return write_nanoqwen(out_path, ckpt.dims, _Producer(ckpt, weights), tok,
-                              progress=bar.update if bar else None, encoding=weights)
+        return write_nanoqwen(out_path, ckpt.dims, _Producer(ckpt, weights),
+                              progress=bar.update if bar else None, encoding=weights, blobs=blobs)
     finally:
         if bar:
             bar.close()

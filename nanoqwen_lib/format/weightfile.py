@@ -19,9 +19,11 @@ import numpy as np
 from nanoqwen_lib.config import ModelDims
 from nanoqwen_lib.errors import FormatError
 from nanoqwen_lib.format.layout import ENCODING_OF_LAYOUT
-from nanoqwen_lib.format.fileformat import (FMT, TOKENIZER_BLOB, Header, TensorEntry, crc32_of, dims_of,
-                         encode_directory, encode_header, parse_directory, parse_header,
-                         plan_layout)
+from nanoqwen_lib.format.fileformat import (BLOBS, CHAT_TEMPLATE_BLOB, CONFIG_BLOB, FMT, GENERATION_BLOB,
+                                           TOKENIZER_BLOB, Header, TensorEntry, blob_sizes, crc32_of, dims_of,
+                                           encode_directory, encode_header, parse_directory, parse_header,
+                                           plan_layout)
+from nanoqwen_lib.format.hf_meta import check_chat_template, generation_eos, parse_json_object
 
 
 @dataclass
@@ -56,7 +58,44 @@ class NanoqwenFile:
                     raise FormatError(path, f"tensor {e.name!r}: crc32", f"{e.crc32:#010x}",
                                       f"{crc:#010x}", "payload corrupted")
             tensors[e.name] = buf.view(e.dtype).reshape(e.shape)
-        return cls(path, h, dims, entries, tensors, verify_payload)
+        f = cls(path, h, dims, entries, tensors, verify_payload)
+        f.check_blobs()
+        return f
+
+    def blob(self, name: str) -> bytes | None:
+        t = self.tensors.get(name)
+        return None if t is None else t.tobytes()
+
+    def check_blobs(self) -> None:
+        """The carried config.json, generation config and chat template parse (before any
+        work): every refusal names the file and the blob."""
+        if self.blob(CONFIG_BLOB) is not None:
+            parse_json_object(self.blob(CONFIG_BLOB), self.path, f"blob {CONFIG_BLOB!r}", FormatError)
+        _ = self.generation_eos     # parsed (and refused if bad) now, used by generate
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template, f"{self.path} blob {CHAT_TEMPLATE_BLOB!r}", FormatError)
+
+    @property
+    def hf_config(self) -> dict | None:
+        """The checkpoint's own config.json, when the file carries it."""
+        raw = self.blob(CONFIG_BLOB)
+        return None if raw is None else parse_json_object(raw, self.path, f"blob {CONFIG_BLOB!r}", FormatError)
+
+    @property
+    def generation_eos(self) -> tuple[tuple[int, ...], str] | None:
+        """(EOS ids, the carried file they come from) by transformers' rule, or None."""
+        return generation_eos(self.blob(GENERATION_BLOB), self.blob(CONFIG_BLOB), f"{self.path} blob",
+                              self.dims.vocab, FormatError)
+
+    @property
+    def chat_template(self) -> str | None:
+        raw = self.blob(CHAT_TEMPLATE_BLOB)
+        if raw is None:
+            return None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FormatError(self.path, f"blob {CHAT_TEMPLATE_BLOB!r}", "UTF-8 text", str(e)) from None
 
     @property
     def encoding(self) -> str:
@@ -65,12 +104,11 @@ class NanoqwenFile:
 
     @property
     def tokenizer_json(self) -> bytes | None:
-        t = self.tensors.get(TOKENIZER_BLOB)
-        return None if t is None else t.tobytes()
+        return self.blob(TOKENIZER_BLOB)
 
     def model_tensors(self) -> dict[str, np.ndarray]:
         """The model's tensors only (layout.packed_tensors names), without blobs."""
-        return {k: v for k, v in self.tensors.items() if k != TOKENIZER_BLOB}
+        return {k: v for k, v in self.tensors.items() if k not in BLOBS}
 
     def verify(self) -> None:
         """Check every payload's CRC32 (what `nanoqwen inspect --verify` runs)."""
@@ -139,17 +177,24 @@ class AtomicOutput:
 
 
 def write_nanoqwen(path, dims: ModelDims, produce, tokenizer_json: bytes | None = None,
-                   progress=None, encoding: str = "int4") -> Path:
+                   progress=None, encoding: str = "int4", blobs: dict[str, bytes] | None = None) -> Path:
     """Write a .nanoqwen file with this weight encoding. `produce(name, dtype, shape)`
     returns that tensor's array (called once per tensor, in file order, so a packer holds
-    one tensor at a time). `progress(nbytes)` is called after each payload."""
-    entries, data_offset, file_bytes = plan_layout(dims, None if tokenizer_json is None else len(tokenizer_json),
-                                                   encoding)
+    one tensor at a time). `progress(nbytes)` is called after each payload. `blobs`
+    ({name in fileformat.BLOBS: bytes}) are carried after the tensors, as is
+    `tokenizer_json`."""
+    blobs = dict(blobs or {})
+    if tokenizer_json is not None:
+        blobs[TOKENIZER_BLOB] = tokenizer_json
+    unknown = set(blobs) - set(BLOBS)
+    if unknown:
+        raise ValueError(f"blobs {sorted(unknown)}: one of {list(BLOBS)}")
+    entries, data_offset, file_bytes = plan_layout(dims, blob_sizes(blobs), encoding)
     done = []
     with AtomicOutput(path) as out:
         for e in entries:
-            if e.name == TOKENIZER_BLOB:
-                arr = np.frombuffer(tokenizer_json, dtype=np.uint8)
+            if e.name in BLOBS:
+                arr = np.frombuffer(bytes(blobs[e.name]), dtype=np.uint8)
             else:
                 arr = np.ascontiguousarray(produce(e.name, e.dtype, e.shape))
                 if arr.dtype != e.dtype or arr.shape != e.shape:

@@ -33,8 +33,9 @@ def hf_fp16_peer(nq_file, prompt, gen_tokens, warmup=1) -> dict:
     import torch
     import transformers
     from nanoqwen_lib.format.layout import hf_tensors
+    from nanoqwen_lib.model.oracle import qwen2_config
     dims = nq_file.dims
-    cfg = transformers.Qwen2Config(**dims.to_hf_config())
+    cfg = qwen2_config(dims, nq_file.hf_config)   # the checkpoint's own config.json
     cfg.torch_dtype = torch.float16
     with torch.device("meta"):
         model = transformers.Qwen2ForCausalLM(cfg)

@@ -52,30 +52,46 @@ def hf_state_from_packed(dims, tensors) -> dict:
     return state
 
 
-def hf_model(dims, state):
-    """Qwen2ForCausalLM from dims.to_hf_config() with the tensors of `state` (HF names ->
-    torch float32), eager attention, in eval mode.
+def qwen2_config(dims, hf_config: dict | None = None, **overrides):
+    """transformers' Qwen2Config read from the checkpoint's own config.json (`hf_config`,
+    e.g. NanoqwenFile.hf_config), so that a mis-read of ours shows up as a disagreement
+    instead of being copied into the oracle. Only tensors with no checkpoint behind them
+    (the synthetic models, whose config.json is dims.to_hf_config() itself) fall back to
+    the dims. The RoPE base is checked against the dims: the bug this guards against."""
+    transformers, _ = _transformers()
+    cfg = transformers.Qwen2Config.from_dict(dict(hf_config if hf_config is not None else dims.to_hf_config()),
+                                             **overrides)
+    if cfg.rope_parameters["rope_theta"] != dims.rope_theta:
+        raise CheckpointError("config.json", "rope_parameters.rope_theta", f"{dims.rope_theta} (the packed file's)",
+                              cfg.rope_parameters["rope_theta"], "transformers reads the config differently")
+    return cfg
+
+
+def hf_model(dims, state, hf_config: dict | None = None):
+    """Qwen2ForCausalLM built from the checkpoint's config.json (`hf_config`: see
+    qwen2_config) with the tensors of `state` (HF names -> torch float32), eager
+    attention, in eval mode.
 
     Built on the meta device (no random init of two 152064-row matrices) and given our
     tensors with assign=True; RoPE's inverse frequencies are a non-persistent buffer, so
-    the rotary module is rebuilt on the CPU. Every parameter must come from `state`."""
+    the rotary module is rebuilt on the CPU. Every parameter must come from `state`.
+    lm_head is tied to the embedding as transformers 5 loads a checkpoint: when the
+    config ties them and `state` holds no separate lm_head.weight."""
     import torch
 
     transformers, hf_qwen2 = _transformers()
 
-    cfg = transformers.Qwen2Config(**dims.to_hf_config(), attn_implementation="eager")
-    if cfg.rope_parameters["rope_theta"] != dims.rope_theta:
-        raise CheckpointError("Qwen2Config", "rope_parameters.rope_theta", dims.rope_theta,
-                              cfg.rope_parameters["rope_theta"], "transformers read the config differently")
+    cfg = qwen2_config(dims, hf_config, attn_implementation="eager")
     with torch.device("meta"):
         model = transformers.Qwen2ForCausalLM(cfg)
     result = model.load_state_dict(state, assign=True, strict=False)
-    tied_missing = ["lm_head.weight"] if dims.tie_embeddings else []
+    tie = cfg.tie_word_embeddings and "lm_head.weight" not in state
+    tied_missing = ["lm_head.weight"] if tie else []
     if result.unexpected_keys or result.missing_keys != tied_missing:
         raise CheckpointError("<state dict>", "tensor names", f"the Qwen2 names (missing only {tied_missing})",
                               f"missing {result.missing_keys}, unexpected {result.unexpected_keys}")
     model.model.rotary_emb = hf_qwen2.Qwen2RotaryEmbedding(cfg)
-    if dims.tie_embeddings:
+    if tie:
         model.tie_weights()
         if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
             raise CheckpointError("Qwen2ForCausalLM", "lm_head.weight", "tied to model.embed_tokens.weight",
@@ -87,10 +103,11 @@ def hf_model(dims, state):
     return model.eval()
 
 
-def hf_model_from_packed(dims, tensors):
+def hf_model_from_packed(dims, tensors, hf_config: dict | None = None):
     """The oracle for a packed model: Qwen2ForCausalLM (float32, CPU) on its dequantized
-    weights. tensors: names of layout.packed_tensors -> NumPy (e.g. NanoqwenFile's)."""
-    return hf_model(dims, hf_state_from_packed(dims, tensors))
+    weights. tensors: names of layout.packed_tensors -> NumPy (e.g. NanoqwenFile's);
+    hf_config: the checkpoint's config.json (NanoqwenFile.hf_config)."""
+    return hf_model(dims, hf_state_from_packed(dims, tensors), hf_config)
 
 
 def hf_logits(model, ids) -> np.ndarray:
