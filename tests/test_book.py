@@ -68,10 +68,16 @@ def cell_view(cell) -> tuple:
 
 # ----------------------------------------------------------------------------- pairs, toc
 
+# The pages that are not chapters (plain MyST, no notebook twin, not numbered).
+MATTER = {"index", "preface", "design", "glossary", "perflog"}
+
+
 def test_chapter_names_are_nn_name():
     for p in BOOK.iterdir():
-        if p.suffix in (".md", ".ipynb") and p.name != "index.md":
+        if p.suffix in (".md", ".ipynb") and p.stem not in MATTER:
             assert CHAPTER_RE.match(p.stem), f"book/{p.name}: expected NN-name (lowercase, dashes)"
+    for page in MATTER:
+        assert (BOOK / f"{page}.md").exists() and not (BOOK / f"{page}.ipynb").exists(), f"book/{page}.md"
 
 
 @pytest.mark.parametrize("stem", chapter_stems())
@@ -96,16 +102,51 @@ def test_chapter_md_and_ipynb_cells_agree(stem):
     assert len(a) == len(b), f"book/{stem}: expected {len(a)} cells in the .ipynb (as in the .md), found {len(b)}"
 
 
+def numbered_chapters() -> list[str]:
+    """The `file:` entries of _toc.yml's one numbered part: the chapters, 0, 1, 2, ..."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    numbered = [p for p in toc.get("parts", []) if p.get("numbered")]
+    assert len(numbered) == 1, f"_toc.yml: expected one numbered part (the chapters), found {len(numbered)}"
+    return [e["file"] for e in numbered[0]["chapters"]]
+
+
 def test_toc_lists_exactly_the_chapters_that_exist():
     files = toc_files()
     assert files[0] == "book/index" and (ROOT / "book/index.md").exists()
     assert len(files) == len(set(files)), f"_toc.yml: a file listed twice: {files}"
-    listed = files[1:]
+    listed = numbered_chapters()
+    matter = [f for f in files[1:] if f not in listed]
+    assert sorted(Path(f).name for f in matter) == sorted(MATTER - {"index"}), \
+        f"_toc.yml: front and back matter expected {sorted(MATTER - {'index'})}, found {matter}"
     for f in listed:
         assert (ROOT / f"{f}.ipynb").exists(), f"_toc.yml: {f}: expected {f}.ipynb, found no such file"
     assert sorted(Path(f).name for f in listed) == chapter_stems(), \
         f"_toc.yml: chapters expected {chapter_stems()}, found {listed}"
     assert listed == sorted(listed), f"_toc.yml: chapters expected in NN order, found {listed}"
+    numbers = [int(Path(f).name[:2]) for f in listed]
+    assert numbers == list(range(len(listed))), \
+        f"_toc.yml: chapter files expected numbered 00, 01, ... (the book counts from 0), found {numbers}"
+
+
+def chapter_title(stem: str) -> str:
+    md, _ = read_pair(stem)
+    text = "\n".join(c.source for c in md.cells if c.cell_type == "markdown")
+    return re.search(r"^# (.+)$", text, re.M)[1]
+
+
+def test_plan_of_the_book_lists_every_chapter_in_order():
+    """Chapter 0's plan is generated from _toc.yml; its committed output must be current."""
+    _, nb = read_pair("00-path-of-a-token")
+    plan = [c for c in nb.cells if c.cell_type == "code" and "def book_plan" in c.source]
+    assert len(plan) == 1, "book/00-path-of-a-token: expected one cell defining book_plan"
+    out = "".join(o.get("data", {}).get("text/plain", "") for o in plan[0].outputs)
+    rows = [ln for ln in out.splitlines() if ln.strip()]
+    expect = [f"{n:>2}  {chapter_title(Path(f).name)}: {read_pair(Path(f).name)[1].metadata['nanoqwen']['builds']}"
+              for n, f in enumerate(numbered_chapters())]
+    assert rows == expect, f"book/00-path-of-a-token.ipynb: the plan's output is stale (re-run the chapter)\n{out}"
+    html = "".join(o.get("data", {}).get("text/html", "") for o in plan[0].outputs)
+    for f in numbered_chapters():
+        assert f'href="{Path(f).name}.html"' in html, f"the plan links {f}"
 
 
 def test_config_renders_committed_outputs_and_excludes_md_twins():
