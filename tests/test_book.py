@@ -310,3 +310,71 @@ def test_conftest_gpu_cells_and_gpu_tests(tmp_path):
     }
     for item, verdict in expect.items():
         assert re.search(rf"{item} {verdict}", out), f"{item}: expected {verdict}\n{out[-3000:]}"
+
+
+# ----------------------------------------------------------------------------- prose numbers
+
+GLUE_ROLE_RE = re.compile(r"\{glue(?::\w+)?\}`([^`]+)`")
+GLUE_CALL_RE = re.compile(r"""\bglue\(\s*["']([^"']+)["']""")
+RECORD_MIME = "application/papermill.record/"
+# A measured number in prose either comes from an output of its chapter or its paragraph
+# names where it comes from: another chapter, a section, the performance log, an outside
+# source of the preface, the config, a datasheet.
+SOURCE_MARKERS = ("PERFLOG", "book-perflog", "{ref}`src-", "{ref}`the article", "{numref}`ch-", "{ref}`ch-",
+                  "{ref}`sec-", "nanoqwen.yaml", "datasheet", "{ref}`design-")
+PROSE_NUMBER_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?(ms|us|µs|TB/s|GB/s|TFLOP/s|%)")
+
+
+def chapter_outputs_text(nb) -> str:
+    text = []
+    for c in nb.cells:
+        if c.cell_type == "code":
+            for o in c.outputs:
+                text.append(o.get("text", ""))
+                for mime, data in o.get("data", {}).items():
+                    if mime.startswith("text/") or mime.startswith(RECORD_MIME):
+                        text.append(data if isinstance(data, str) else "".join(data))
+    return "\n".join(text)
+
+
+@pytest.mark.parametrize("stem", chapter_stems())
+def test_glued_numbers_have_their_cell(stem):
+    """Every {glue:text}`key` of the prose is glued by a code cell of its chapter, and the
+    committed outputs carry it (after the chapter's last execution)."""
+    md, nb = read_pair(stem)
+    prose = "\n".join(c.source for c in md.cells if c.cell_type == "markdown")
+    used = set(GLUE_ROLE_RE.findall(prose))
+    glued_by = {}
+    for c in nb.cells:
+        if c.cell_type == "code":
+            for key in GLUE_CALL_RE.findall(c.source):
+                glued_by[key] = c
+    for key in sorted(used):
+        assert key in glued_by, f"book/{stem}: the prose uses glue key {key!r}, no cell glues it"
+        cell = glued_by[key]
+        records = [o for o in cell.outputs if any(m.startswith(RECORD_MIME) for m in o.get("data", {}))]
+        keys = {o.get("metadata", {}).get("scrapbook", {}).get("name") for o in records}
+        assert key in keys, (f"book/{stem}.ipynb: glue key {key!r} is not in the committed outputs of its cell "
+                             f"(re-execute the chapter: the outputs are older than the cell)")
+
+
+@pytest.mark.parametrize("stem", chapter_stems())
+def test_prose_numbers_come_from_outputs_or_name_their_source(stem):
+    """A number with a unit (ms, us, TB/s, %, ...) in the prose must be printed by one of the
+    chapter's cells, or its paragraph must say where it comes from; otherwise it is a number
+    that can silently contradict the cells (glue it instead)."""
+    md, nb = read_pair(stem)
+    outputs = chapter_outputs_text(nb)
+    bad = []
+    for c in md.cells:
+        if c.cell_type != "markdown":
+            continue
+        for para in re.split(r"\n\s*\n", c.source):
+            if any(m in para for m in SOURCE_MARKERS):
+                continue
+            text = re.sub(r"\{[\w:-]+\}`[^`]*`|`[^`]*`|\$[^$]*\$", "", para)
+            for m in PROSE_NUMBER_RE.finditer(text):
+                if m.group(1) not in outputs:
+                    bad.append(m.group(0))
+    assert not bad, (f"book/{stem}: prose numbers printed by no cell of the chapter and with no source named "
+                     f"in their paragraph: {bad}")
