@@ -169,3 +169,13 @@ def test_outputs_scroll_instead_of_clipping(built):
     assert "pre-wrap" in rule("div.highlight pre")
     for page in pages(html_dir):
         assert "_static/nanoqwen.css" in page.read_text(), f"{page.name}: the book's CSS is not linked"
+
+
+def test_kernel_build_metadata_is_not_shown(built):
+    """The `// nq-variants:` header lines (hundreds of characters of build metadata) stay in
+    the kernel files and out of the book; the rest of the header is shown."""
+    html_dir, _ = built
+    assert "nq-variants" in (ROOT / "kernels" / "gemv_int4.cu").read_text()
+    for page in pages(html_dir):
+        assert "nq-variants" not in page.read_text(), page.name
+    assert "NQ_GEMV_FOLD" in (html_dir / "book" / "04-int4-gemv.html").read_text()

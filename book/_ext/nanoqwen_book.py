@@ -4,8 +4,13 @@
   Sphinx counts a numbered toctree from 1, so after it has assigned the section numbers
   every number's first component is lowered by one. The sidebar, the page titles and
   `{numref}` ("Chapter %s", numfig_format) then agree with the prose and the file names.
+* A kernel's `// nq-variants: ...` header line is build metadata (the compile-time variants
+  the NVRTC tests build), one line of several hundred characters: the book's literal
+  includes of kernels/ leave it out; the file keeps it.
 """
 from __future__ import annotations
+
+import re
 
 from docutils import nodes
 
@@ -55,7 +60,24 @@ def _wrap_section_numbering(app) -> None:
     Collector.assign_section_numbers = assign_section_numbers
 
 
+BUILD_METADATA_LINE = re.compile(r"^// nq-variants:.*\n?", re.M)
+
+
+def _drop_build_metadata(app, doctree) -> None:
+    """Remove `// nq-variants:` lines from literal includes of kernel sources."""
+    for block in doctree.findall(nodes.literal_block):
+        source = str(block.get("source") or "")
+        if not source.endswith((".cu", ".cuh")):
+            continue
+        text = block.astext()
+        kept = BUILD_METADATA_LINE.sub("", text)
+        if kept != text:
+            block.children = [nodes.Text(kept)]
+            block.rawsource = kept
+
+
 def setup(app):
+    app.connect("doctree-read", _drop_build_metadata)
     # builder-inited runs after every extension's setup(), so this wraps whichever
     # assign_section_numbers is installed by then.
     app.connect("builder-inited", _wrap_section_numbering)
