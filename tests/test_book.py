@@ -1,4 +1,4 @@
-"""The book's machinery, checked on a CPU without building it (jupyter-book is too slow here).
+"""The book's machinery, checked on a CPU without building it.
 
 * every chapter is a jupytext pair book/NN-name.md + .ipynb whose cells agree;
 * _toc.yml lists exactly the chapters that exist; _config.yml renders the committed
@@ -7,7 +7,11 @@
 * the committed .ipynb are one clean top-to-bottom run (the goldens nbval compares with);
 * book/sanitize.cfg hides addresses, timings and temp paths, and nothing else;
 * conftest.py: a `gpu`-tagged cell runs but is not compared without a GPU, an untagged one
-  is compared, a `gpu`-marked test is skipped.
+  is compared, a `gpu`-marked test is skipped;
+* chapter 0's plan of the book lists the numbered chapters of _toc.yml as they are;
+* a number the prose quotes is glued from its cell (and the committed outputs carry it), or
+  printed by a cell of the chapter, or its paragraph names its source.
+(tests/test_book_build.py builds the book and checks the rendered HTML.)
 """
 from __future__ import annotations
 
