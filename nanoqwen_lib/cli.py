@@ -16,7 +16,9 @@ from nanoqwen_lib.errors import LimitError, NanoqwenError
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, status 2 (argparse's own convention)
-        self.exit(2, f"nanoqwen {self.prog.split()[-1]}: error: {_house_format(message)} (see --help)\n")
+        words = self.prog.split()
+        who = " ".join(["nanoqwen", *words[1:]])   # "nanoqwen" or "nanoqwen VERB"
+        self.exit(2, f"{who}: error: {_house_format(message)} (see --help)\n")
 
 
 
@@ -25,13 +27,18 @@ def make_backend(name: str, nq_file):
         from nanoqwen_lib.model.generate import ReferenceBackend
         return ReferenceBackend(nq_file)
     if name == "gpu":
-        from nanoqwen_lib.gpu.cuda_build import have_gpu
-        if not have_gpu():
-            raise LimitError("<arguments>", "--backend", "a CUDA GPU for --backend gpu",
-                             "none (CuPy sees no usable device)", "use --backend reference")
+        require_gpu_backend()
         from nanoqwen_lib.gpu.engine import GpuBackend
         return GpuBackend(nq_file)
     raise LimitError("<arguments>", "--backend", "reference or gpu", repr(name))
+
+
+def require_gpu_backend() -> None:
+    """Refuse --backend gpu on a machine without a usable CUDA GPU (before any work)."""
+    from nanoqwen_lib.gpu.cuda_build import have_gpu
+    if not have_gpu():
+        raise LimitError("<arguments>", "--backend", "a CUDA GPU for --backend gpu",
+                         "none (CuPy sees no usable device)", "use --backend reference")
 
 
 def _house_format(message: str) -> str:
@@ -166,21 +173,38 @@ def _default_backend() -> str:
     return "gpu" if have_gpu() else "reference"
 
 
+DEMO_PROMPT = "def quicksort(xs):"
+DEMO_NOTE = ("the weights are synthetic (random), so the text below is meaningless; for a real model: "
+             "nanoqwen pack CHECKPOINT_DIR -o model.nanoqwen && nanoqwen generate model.nanoqwen --prompt ...")
+
+
 def cmd_demo(a) -> int:
     """The embedded default, end to end: synthesize tiny, pack it, generate with it."""
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.format.tokenizer import QwenTokenizer
+    from nanoqwen_lib.model.generate import check_request
     from nanoqwen_lib.synthetic.packed import packed_synthetic
-    out = packed_synthetic("tiny", seed=0, progress=True)
     backend = a.backend or _default_backend()
-    print(f"file       {out} ({out.stat().st_size / 1e6:.1f} MB)\nbackend    {backend}")
+    # Every refusal comes before the synthesis and packing (seconds of CPU, a file in the cache).
+    check_request(load().model("tiny"), QwenTokenizer.default().encode(DEMO_PROMPT), a.max_new_tokens)
+    if backend == "gpu":
+        require_gpu_backend()
+    out = packed_synthetic("tiny", seed=0, progress=True)
+    print(f"file       {out} ({out.stat().st_size / 1e6:.1f} MB)\nbackend    {backend}\n"
+          f"note       {DEMO_NOTE}")
     from nanoqwen_lib.format.inspect_file import generation_settings
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     for line in generation_settings(NanoqwenFile.open(out, verify_payload=False)):
         print(line)
-    ns = argparse.Namespace(file=out, prompt="def quicksort(xs):", prompt_ids=None, chat=False,
+    ns = argparse.Namespace(file=out, prompt=DEMO_PROMPT, prompt_ids=None, chat=False,
                             max_new_tokens=a.max_new_tokens, backend=backend, ids=False,
                             ignore_eos=True, no_verify=False)
-    print("prompt     'def quicksort(xs):'\noutput     ", end="")
-    return cmd_generate(ns)
+    print(f"prompt     {DEMO_PROMPT!r}\noutput     ", end="", flush=True)
+    try:
+        return cmd_generate(ns)
+    except BaseException:
+        print(flush=True)   # a late error starts its own line, not the end of "output"
+        raise
 
 
 def cmd_bench(a) -> int:
@@ -301,7 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):   # bare `nanoqwen`: the usage, not an error
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.fn(args)
     except NanoqwenError as e:

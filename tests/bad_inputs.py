@@ -419,6 +419,11 @@ CLI_CASES = [
     cli_case("bench {tmp}/missing.nanoqwen", "path"),
     cli_case("bench {tmp}/model.nanoqwen --prompt-tokens 0", "--prompt-tokens", "found 0"),
     cli_case("demo --max-new-tokens abc", "--max-new-tokens", "'abc'"),
+    cli_case("demo --max-new-tokens 0", "--max-new-tokens", ">= 1", "found 0"),
+    cli_case("inspect {tmp}/ckpt", "path", "a checkpoint directory", "nanoqwen pack",
+             setup=lambda tmp: variant(micro_checkpoint(), tmp)),
+    cli_case("generate {tmp}/ckpt --prompt-ids 1,2", "path", "a checkpoint directory", "nanoqwen pack",
+             setup=lambda tmp: variant(micro_checkpoint(), tmp)),
 ]
 
 CASES: list[Case] = FILE_CASES + CHECKPOINT_CASES + REQUEST_CASES + CLI_CASES

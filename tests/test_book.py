@@ -1,4 +1,4 @@
-"""The book's machinery, checked on a CPU without building it (jupyter-book is too slow here).
+"""The book's machinery, checked on a CPU without building it.
 
 * every chapter is a jupytext pair book/NN-name.md + .ipynb whose cells agree;
 * _toc.yml lists exactly the chapters that exist; _config.yml renders the committed
@@ -7,7 +7,11 @@
 * the committed .ipynb are one clean top-to-bottom run (the goldens nbval compares with);
 * book/sanitize.cfg hides addresses, timings and temp paths, and nothing else;
 * conftest.py: a `gpu`-tagged cell runs but is not compared without a GPU, an untagged one
-  is compared, a `gpu`-marked test is skipped.
+  is compared, a `gpu`-marked test is skipped;
+* chapter 0's plan of the book lists the numbered chapters of _toc.yml as they are;
+* a number the prose quotes is glued from its cell (and the committed outputs carry it), or
+  printed by a cell of the chapter, or its paragraph names its source.
+(tests/test_book_build.py builds the book and checks the rendered HTML.)
 """
 from __future__ import annotations
 
@@ -68,10 +72,16 @@ def cell_view(cell) -> tuple:
 
 # ----------------------------------------------------------------------------- pairs, toc
 
+# The pages that are not chapters (plain MyST, no notebook twin, not numbered).
+MATTER = {"index", "preface", "design", "glossary", "perflog"}
+
+
 def test_chapter_names_are_nn_name():
     for p in BOOK.iterdir():
-        if p.suffix in (".md", ".ipynb") and p.name != "index.md":
+        if p.suffix in (".md", ".ipynb") and p.stem not in MATTER:
             assert CHAPTER_RE.match(p.stem), f"book/{p.name}: expected NN-name (lowercase, dashes)"
+    for page in MATTER:
+        assert (BOOK / f"{page}.md").exists() and not (BOOK / f"{page}.ipynb").exists(), f"book/{page}.md"
 
 
 @pytest.mark.parametrize("stem", chapter_stems())
@@ -96,16 +106,51 @@ def test_chapter_md_and_ipynb_cells_agree(stem):
     assert len(a) == len(b), f"book/{stem}: expected {len(a)} cells in the .ipynb (as in the .md), found {len(b)}"
 
 
+def numbered_chapters() -> list[str]:
+    """The `file:` entries of _toc.yml's one numbered part: the chapters, 0, 1, 2, ..."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    numbered = [p for p in toc.get("parts", []) if p.get("numbered")]
+    assert len(numbered) == 1, f"_toc.yml: expected one numbered part (the chapters), found {len(numbered)}"
+    return [e["file"] for e in numbered[0]["chapters"]]
+
+
 def test_toc_lists_exactly_the_chapters_that_exist():
     files = toc_files()
     assert files[0] == "book/index" and (ROOT / "book/index.md").exists()
     assert len(files) == len(set(files)), f"_toc.yml: a file listed twice: {files}"
-    listed = files[1:]
+    listed = numbered_chapters()
+    matter = [f for f in files[1:] if f not in listed]
+    assert sorted(Path(f).name for f in matter) == sorted(MATTER - {"index"}), \
+        f"_toc.yml: front and back matter expected {sorted(MATTER - {'index'})}, found {matter}"
     for f in listed:
         assert (ROOT / f"{f}.ipynb").exists(), f"_toc.yml: {f}: expected {f}.ipynb, found no such file"
     assert sorted(Path(f).name for f in listed) == chapter_stems(), \
         f"_toc.yml: chapters expected {chapter_stems()}, found {listed}"
     assert listed == sorted(listed), f"_toc.yml: chapters expected in NN order, found {listed}"
+    numbers = [int(Path(f).name[:2]) for f in listed]
+    assert numbers == list(range(len(listed))), \
+        f"_toc.yml: chapter files expected numbered 00, 01, ... (the book counts from 0), found {numbers}"
+
+
+def chapter_title(stem: str) -> str:
+    md, _ = read_pair(stem)
+    text = "\n".join(c.source for c in md.cells if c.cell_type == "markdown")
+    return re.search(r"^# (.+)$", text, re.M)[1]
+
+
+def test_plan_of_the_book_lists_every_chapter_in_order():
+    """Chapter 0's plan is generated from _toc.yml; its committed output must be current."""
+    _, nb = read_pair("00-path-of-a-token")
+    plan = [c for c in nb.cells if c.cell_type == "code" and "def book_plan" in c.source]
+    assert len(plan) == 1, "book/00-path-of-a-token: expected one cell defining book_plan"
+    out = "".join(o.get("data", {}).get("text/plain", "") for o in plan[0].outputs)
+    rows = [ln for ln in out.splitlines() if ln.strip()]
+    expect = [f"{n:>2}  {chapter_title(Path(f).name)}: {read_pair(Path(f).name)[1].metadata['nanoqwen']['builds']}"
+              for n, f in enumerate(numbered_chapters())]
+    assert rows == expect, f"book/00-path-of-a-token.ipynb: the plan's output is stale (re-run the chapter)\n{out}"
+    html = "".join(o.get("data", {}).get("text/html", "") for o in plan[0].outputs)
+    for f in numbered_chapters():
+        assert f'href="{Path(f).name}.html"' in html, f"the plan links {f}"
 
 
 def test_config_renders_committed_outputs_and_excludes_md_twins():
@@ -269,3 +314,71 @@ def test_conftest_gpu_cells_and_gpu_tests(tmp_path):
     }
     for item, verdict in expect.items():
         assert re.search(rf"{item} {verdict}", out), f"{item}: expected {verdict}\n{out[-3000:]}"
+
+
+# ----------------------------------------------------------------------------- prose numbers
+
+GLUE_ROLE_RE = re.compile(r"\{glue(?::\w+)?\}`([^`]+)`")
+GLUE_CALL_RE = re.compile(r"""\bglue\(\s*["']([^"']+)["']""")
+RECORD_MIME = "application/papermill.record/"
+# A measured number in prose either comes from an output of its chapter or its paragraph
+# names where it comes from: another chapter, a section, the performance log, an outside
+# source of the preface, the config, a datasheet.
+SOURCE_MARKERS = ("PERFLOG", "book-perflog", "{ref}`src-", "{ref}`the article", "{numref}`ch-", "{ref}`ch-",
+                  "{ref}`sec-", "nanoqwen.yaml", "datasheet", "{ref}`design-")
+PROSE_NUMBER_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?(ms|us|µs|TB/s|GB/s|TFLOP/s|%)")
+
+
+def chapter_outputs_text(nb) -> str:
+    text = []
+    for c in nb.cells:
+        if c.cell_type == "code":
+            for o in c.outputs:
+                text.append(o.get("text", ""))
+                for mime, data in o.get("data", {}).items():
+                    if mime.startswith("text/") or mime.startswith(RECORD_MIME):
+                        text.append(data if isinstance(data, str) else "".join(data))
+    return "\n".join(text)
+
+
+@pytest.mark.parametrize("stem", chapter_stems())
+def test_glued_numbers_have_their_cell(stem):
+    """Every {glue:text}`key` of the prose is glued by a code cell of its chapter, and the
+    committed outputs carry it (after the chapter's last execution)."""
+    md, nb = read_pair(stem)
+    prose = "\n".join(c.source for c in md.cells if c.cell_type == "markdown")
+    used = set(GLUE_ROLE_RE.findall(prose))
+    glued_by = {}
+    for c in nb.cells:
+        if c.cell_type == "code":
+            for key in GLUE_CALL_RE.findall(c.source):
+                glued_by[key] = c
+    for key in sorted(used):
+        assert key in glued_by, f"book/{stem}: the prose uses glue key {key!r}, no cell glues it"
+        cell = glued_by[key]
+        records = [o for o in cell.outputs if any(m.startswith(RECORD_MIME) for m in o.get("data", {}))]
+        keys = {o.get("metadata", {}).get("scrapbook", {}).get("name") for o in records}
+        assert key in keys, (f"book/{stem}.ipynb: glue key {key!r} is not in the committed outputs of its cell "
+                             f"(re-execute the chapter: the outputs are older than the cell)")
+
+
+@pytest.mark.parametrize("stem", chapter_stems())
+def test_prose_numbers_come_from_outputs_or_name_their_source(stem):
+    """A number with a unit (ms, us, TB/s, %, ...) in the prose must be printed by one of the
+    chapter's cells, or its paragraph must say where it comes from; otherwise it is a number
+    that can silently contradict the cells (glue it instead)."""
+    md, nb = read_pair(stem)
+    outputs = chapter_outputs_text(nb)
+    bad = []
+    for c in md.cells:
+        if c.cell_type != "markdown":
+            continue
+        for para in re.split(r"\n\s*\n", c.source):
+            if any(m in para for m in SOURCE_MARKERS):
+                continue
+            text = re.sub(r"\{[\w:-]+\}`[^`]*`|`[^`]*`|\$[^$]*\$", "", para)
+            for m in PROSE_NUMBER_RE.finditer(text):
+                if m.group(1) not in outputs:
+                    bad.append(m.group(0))
+    assert not bad, (f"book/{stem}: prose numbers printed by no cell of the chapter and with no source named "
+                     f"in their paragraph: {bad}")

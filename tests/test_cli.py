@@ -128,3 +128,77 @@ def test_pack_killed_leaves_no_file(tmp_path):
 def test_validate_refuses_stages_out_of_ladder_order(micro_file):
     assert_user_error(run_cli("validate", micro_file, "--stages", "graph,unit"), "--stages", "in that order")
     assert_user_error(run_cli("validate", micro_file, "--stages", "speed"), "--stages")
+
+
+# ----------------------------------------------------------------------------- rough edges
+
+def test_bare_command_prints_the_usage():
+    r = run_cli()
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: nanoqwen") and "demo" in r.stderr, r.stderr
+    assert "nanoqwen nanoqwen" not in r.stderr and "error" not in r.stderr
+
+
+def test_top_level_parse_errors_name_the_command_once():
+    r = run_cli("--bogus")
+    assert_user_error(r, "nanoqwen: error")
+    assert "nanoqwen nanoqwen" not in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    pytest.param(["--backend", "gpu"], "GPU",
+                 marks=pytest.mark.skipif(have_gpu(), reason="with a GPU, --backend gpu is valid")),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-new-tokens", "-3", "--backend", "reference"], "--max-new-tokens"),
+])
+def test_demo_refuses_before_synthesizing_anything(tmp_path, args, needle):
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), NANOQWEN_CACHE=str(cache))
+    r = subprocess.run([sys.executable, "-m", "nanoqwen_lib", "demo", *args],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert_user_error(r, needle, "expected", "found")
+    assert r.stdout == ""          # not even the header: the error has its line to itself
+    assert not cache.exists()      # nothing synthesized, nothing packed
+
+
+def test_demo_says_the_weights_are_synthetic():
+    """The demo (tiny model, cached after the first run) prints one line saying that the
+    text is meaningless and how to run a real checkpoint, before the text."""
+    r = run_cli("demo", "--max-new-tokens", "2", "--backend", "reference")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    note = [ln for ln in lines if "synthetic" in ln]
+    assert len(note) == 1 and "meaningless" in note[0], r.stdout
+    assert "nanoqwen pack" in note[0] and "nanoqwen generate" in note[0]
+    assert lines.index(note[0]) < next(i for i, ln in enumerate(lines) if ln.startswith("output"))
+
+
+@pytest.mark.parametrize("verb", ["inspect", "generate"])
+def test_a_checkpoint_directory_is_told_to_pack_first(verb):
+    ckpt = micro_checkpoint()
+    extra = [] if verb == "inspect" else ["--prompt-ids", "1,2", "--backend", "reference"]
+    r = run_cli(verb, ckpt, *extra)
+    assert_user_error(r, str(ckpt), "checkpoint directory", f"nanoqwen pack {ckpt}", "expected a .nanoqwen file")
+
+
+def test_a_plain_directory_is_not_called_a_missing_file(tmp_path):
+    assert_user_error(run_cli("inspect", tmp_path), str(tmp_path), "found a directory")
+
+
+def test_truncated_file_message_reads_the_right_way_round(tmp_path, micro_file):
+    raw = micro_file.read_bytes()
+    keep = len(raw) - 4096
+    bad = tmp_path / "cut.nanoqwen"
+    bad.write_bytes(raw[:keep])
+    r = run_cli("inspect", bad)
+    assert_user_error(r, "file_bytes", f"expected a file of {len(raw)} bytes", f"found {keep} bytes (the file's length)")
+
+
+def test_progress_bar_names_the_final_directory_not_the_temporary_one(tmp_path, monkeypatch, capsys):
+    from nanoqwen_lib.synthetic import cache, checkpoint
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(checkpoint, "synthesize_dims", lambda name: MICRO)
+    out = cache.synthetic_checkpoint("micro-test", seed=3, progress=True)
+    err = capsys.readouterr().err
+    assert f"synth {out.name}" in err, err
+    assert ".partial" not in err and out.is_dir()

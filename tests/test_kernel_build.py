@@ -91,8 +91,8 @@ def test_tuned_table_is_built_and_consistent():
 def test_sass_of_the_hot_loops():
     """What the kernels compile to (nvdisasm, no GPU). The INT4 GEMV's main loop runs on the
     tensor cores and stays under the issue budget at the read ceiling (~3.7 lane-
-    instructions per INT4 weight on an H200, DESIGN.md); the FP8 GEMV converts codes with
-    the hardware's E4M3 unpack."""
+    instructions per INT4 weight on an H200, book/00-path-of-a-token.md, "The floors");
+    the FP8 GEMV converts codes with the hardware's E4M3 unpack."""
     import collections
     if cuda_build.nvdisasm_path() is None:
         pytest.skip("nvdisasm not installed (the cuda13 extra brings it)")

@@ -206,8 +206,9 @@ def parse_header(path, raw: bytes, file_len: int) -> Header:
         _check(path, k, h[k] == getattr(FMT, k), getattr(FMT, k), h[k])
     _check(path, "flags", h["flags"] == 0, 0, h["flags"])
     _check(path, "tie_embeddings", h["tie_embeddings"] in (0, 1), "0 or 1", h["tie_embeddings"])
-    _check(path, "file_bytes", h["file_bytes"] == file_len, f"{file_len} (the file's length)",
-           h["file_bytes"], "truncated or extended file")
+    _check(path, "file_bytes", h["file_bytes"] == file_len,
+           f"a file of {h['file_bytes']} bytes (what the header says)",
+           f"{file_len} bytes (the file's length)", "truncated or extended file")
     _check(path, "dir_offset", h["dir_offset"] == FMT.header_bytes, FMT.header_bytes, h["dir_offset"])
     _check(path, "dir_bytes", h["dir_bytes"] == h["n_tensors"] * FMT.dir_entry_bytes,
            f"n_tensors * {FMT.dir_entry_bytes} = {h['n_tensors'] * FMT.dir_entry_bytes}", h["dir_bytes"])

@@ -26,6 +26,14 @@ from nanoqwen_lib.format.fileformat import (BLOBS, CHAT_TEMPLATE_BLOB, CONFIG_BL
 from nanoqwen_lib.format.hf_meta import check_chat_template, generation_eos, parse_json_object
 
 
+def _what_directory(path: Path) -> str:
+    """How to describe a directory given where a .nanoqwen file was expected."""
+    if (path / "config.json").is_file() or any(path.glob("*.safetensors")):
+        return (f"a checkpoint directory (pack it first: nanoqwen pack {path} -o "
+                f"{path.name or 'model'}.nanoqwen)")
+    return "a directory"
+
+
 @dataclass
 class NanoqwenFile:
     path: Path
@@ -38,6 +46,8 @@ class NanoqwenFile:
     @classmethod
     def open(cls, path, verify_payload: bool = True) -> "NanoqwenFile":
         path = Path(path)
+        if path.is_dir():
+            raise FormatError(path, "path", "a .nanoqwen file", _what_directory(path))
         if not path.is_file():
             raise FormatError(path, "path", "an existing .nanoqwen file", "no such file")
         size = path.stat().st_size

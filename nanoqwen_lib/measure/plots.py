@@ -93,6 +93,36 @@ def grouped_barh(groups: dict[str, dict[str, float]], xlabel: str, title: str = 
     return _finish_barh(ax, list(groups), xlabel, title)
 
 
+def valued_barh(values: dict[str, float], xlabel: str, colors=None, log: bool = False,
+                fmt: str = "{:.1f}", ax=None):
+    """Horizontal bars, one per label (top to bottom), each with its value printed just past
+    its end. The x range is widened so that every value label stays inside the Axes (on a
+    log scale by a factor, on a linear one by a share of the longest bar): a label never
+    runs into a neighbouring plot or its tick labels. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.0, 0.8 + 0.5 * len(values)))
+    labels, vals = list(values), [float(v) for v in values.values()]
+    ax.barh(range(len(vals)), vals, color=colors)
+    if log:
+        ax.set_xscale("log")
+    for y, v in enumerate(vals):
+        ax.text(v, y, " " + fmt.format(v), va="center")
+    hi = max(vals)
+    ax.set_xlim(right=hi * (VALUE_ROOM_LOG if log else VALUE_ROOM_LINEAR))
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.grid(axis="y", visible=False)
+    return ax
+
+
+# How far valued_barh extends the x axis past the longest bar, for its value label.
+VALUE_ROOM_LOG = 4.0
+VALUE_ROOM_LINEAR = 1.18
+
+
 def _finish_barh(ax, labels, xlabel: str, title: str):
     """The shared look of a horizontal bar chart: labels top to bottom, legend outside."""
     ax.set_yticks(range(len(labels)), labels)

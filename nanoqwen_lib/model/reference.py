@@ -3,7 +3,7 @@
 This is the oracle every GPU kernel and the engine are checked against. It runs on NumPy
 (CPU, the `tiny` configs) or CuPy (GPU, the 7B), emulates the INT4 weights exactly
 (W = codes * fp16 scale, dequantized once to float32), and rounds activations to FP16 at
-exactly the points of the numerics contract (DESIGN.md / the kernels), no more, no less:
+exactly the points of the numerics contract (book/design.md / the kernels), no more, no less:
 
     x = embed[id]                                   fp16 row
     per layer:

@@ -35,7 +35,7 @@ def synthetic_checkpoint(dims_name: str, seed: int = 0, progress: bool = True) -
     dims = synthesize_dims(dims_name)  # an unknown name fails here, before any work
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     try:
-        synthesize(dims, seed, tmp, progress=progress)
+        synthesize(dims, seed, tmp, progress=progress, label=final.name)
         try:
             os.rename(tmp, final)
         except OSError:

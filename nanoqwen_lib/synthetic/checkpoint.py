@@ -170,8 +170,10 @@ def write_metadata_files(dims: ModelDims, out_dir: Path) -> None:
 
 
 def synthesize(dims: ModelDims, seed: int, out_dir, shard_bytes: int | None = None,
-               progress: bool = True, workers: int | None = None) -> Path:
-    """Write a synthetic checkpoint of `dims` into out_dir (created); returns out_dir."""
+               progress: bool = True, workers: int | None = None, label: str | None = None) -> Path:
+    """Write a synthetic checkpoint of `dims` into out_dir (created); returns out_dir.
+    `label` names the progress bar (default: out_dir's name; a caller writing into a
+    temporary directory passes the final name)."""
     from tqdm import tqdm  # the console bar: no ipywidgets needed in notebooks
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +183,7 @@ def synthesize(dims: ModelDims, seed: int, out_dir, shard_bytes: int | None = No
     total = sum(2 * math.prod(s) for sh in shards for s in sh.values())
     workers = workers or min(16, os.cpu_count() or 1)
     with ThreadPoolExecutor(workers) as pool, \
-            tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=f"synth {out_dir.name}") as bar:
+            tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=f"synth {label or out_dir.name}") as bar:
         for fname, shard in zip(names, shards):
             write_shard(out_dir / fname, shard, dims, seed, pool, 2 * workers, bar)
     weight_map = {t: f for f, sh in zip(names, shards) for t in sh}
