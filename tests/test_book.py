@@ -73,7 +73,7 @@ def cell_view(cell) -> tuple:
 # ----------------------------------------------------------------------------- pairs, toc
 
 # The pages that are not chapters (plain MyST, no notebook twin, not numbered).
-MATTER = {"index", "preface", "design", "glossary", "perflog"}
+MATTER = {"index", "preface", "architecture", "design", "glossary", "perflog"}
 
 
 def test_chapter_names_are_nn_name():

@@ -140,7 +140,7 @@ def test_plan_of_the_book_links_every_chapter(built):
 
 def test_front_and_back_matter(built):
     html_dir, _ = built
-    for name in ("preface", "design", "glossary", "perflog"):
+    for name in ("preface", "architecture", "design", "glossary", "perflog"):
         assert (html_dir / "book" / f"{name}.html").is_file(), name
     perflog = prose(html_dir / "book" / "perflog.html")
     first = next(ln for ln in (ROOT / "PERFLOG.md").read_text().splitlines() if ln.startswith("## "))
