@@ -63,6 +63,7 @@ class ConstructedPeer:
 
 class Dims:
     vocab = V
+    max_position = 4096
 
 
 PROMPTS = [[0, 5, 6], [1, 9], [2, 3, 4, 8]]
@@ -124,3 +125,81 @@ def test_judge_counts_on_arrays():
     assert v["agrees"] == (v["real_mismatches"] == 0)
     with pytest.raises(ValueError):
         judge(matched[:5], gaps, err)
+
+
+# ---------------------------------------------------------------- the real peers on tiny, CPU
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(file, reference, prompts): the tiny model, our NumPy reference, two prompts."""
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    from nanoqwen_lib.measure.validate import validation_prompts
+    from nanoqwen_lib.model.reference import ReferenceModel
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    f = NanoqwenFile.open(packed_synthetic("tiny"))
+    return f, ReferenceModel(f.dims, f.model_tensors()), validation_prompts(40)[14:16]
+
+
+def test_torch_int4_peer_computes_our_model_on_the_cpu(tiny):
+    """The whole peer (tinygemm's CPU twins, fused projections, RoPE tables, GQA SDPA on
+    the static cache) agrees with the reference teacher-forced, near-ties apart."""
+    from nanoqwen_lib.measure.peers_torch import TorchInt4Peer
+    f, ref, prompts = tiny
+    v = check_peer(TorchInt4Peer(f, "cpu", max_len=64), ref, f.dims, prompts, 12)
+    assert v["agrees"], v["why_not"]
+    assert v["identical"] + v["near_tie_mismatches"] == v["steps"] == 24
+    assert v["noise_logits"] < 0.5 and v["logit_error"]["max_abs_logit_err"]["100"] < 0.5
+
+
+def test_a_torch_int4_peer_with_interleaved_rope_is_flagged(tiny):
+    """The same peer with RoPE's pairs interleaved (GPT-J's convention, not Qwen2's) is
+    judged wrong: the judgement catches a realistic bug, not just random logits."""
+    from nanoqwen_lib.measure.peers_torch import TorchInt4Peer
+
+    def interleaved(self, x, positions):
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        rot = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+        return x * cos + rot * sin
+
+    f, ref, prompts = tiny
+    peer = TorchInt4Peer(f, "cpu", max_len=64)
+    peer.m.rope = interleaved.__get__(peer.m)
+    v = check_peer(peer, ref, f.dims, prompts, 12)
+    assert not v["agrees"]
+
+
+def test_transformers_peer_computes_our_model_and_generate_runs_both_settings(tiny):
+    """transformers FP16 (uncompiled on the CPU: its compiled decode is CUDA-only) agrees
+    teacher-forced; generate with the static-cache + compile settings and with the defaults
+    yields the reference's greedy stream up to near-ties."""
+    from nanoqwen_lib.measure.peers_hf import HfPeer, free_running_prefix, hf_fp16_model, hf_generate
+    f, ref, prompts = tiny
+    model = hf_fp16_model(f, "cpu")
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.float16
+    v = check_peer(HfPeer(model), ref, f.dims, prompts, 12)
+    assert v["agrees"], v["why_not"]
+    want, gaps = ref.greedy(prompts[0], 8)
+    for compiled in (True, False):
+        got, _, _ = hf_generate(model, prompts[0], 8, compiled, timed=False)
+        n = free_running_prefix(got, want)
+        assert n == 8 or gaps[n] < v["noise_logits"], (compiled, got, want)
+
+
+def test_dequant_matmul_prefill_matches_the_reference(tiny):
+    """The dequantize + FP16 GEMM prefill's math (NumPy) against the reference's prefill:
+    every logit within FP16 GEMM rounding, the same argmax; pre-expanded weights give
+    the same bits as expanding per layer."""
+    from nanoqwen_lib.measure.prefill_dequant import fp16_layer, prefill_dequant_matmul
+    f, ref, _ = tiny
+    ids = np.random.default_rng(7).integers(0, 151643, 9).tolist()
+    got = prefill_dequant_matmul(f.model_tensors(), f.dims, ids)
+    want = ref.prefill(ids)[0][-1]
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.abs(got - want).max() < 0.15          # validation.logit_err_max: the engine's line
+    assert int(got.argmax()) == int(want.argmax())
+    layers = [fp16_layer(f.model_tensors(), i, np) for i in range(f.dims.num_layers)]
+    assert layers[0].w_qkv.dtype == np.float16 and layers[0].b_qkv.dtype == np.float32
+    np.testing.assert_array_equal(prefill_dequant_matmul(f.model_tensors(), f.dims, ids, layers=layers), got)

@@ -29,18 +29,23 @@ PROJ_GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj
                "down": ("mlp.down_proj",)}
 
 
-def tinygemm_pack(codes, scales, torch, device, inner_k_tiles=8):
-    """codes int [N, K] in -8..7, scales [N, K/g] -> (packed weight, scales_and_zeros
-    [K/g, N, 2] bf16) for tinygemm: w = (q - 8) * scale + zero with q = code + 8, zero 0."""
-    q = torch.as_tensor(np.asarray(codes, dtype=np.int32) + 8)
-    if device == "cpu":
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)
+def tinygemm_pack(codes, scales, torch, inner_k_tiles=8):
+    """codes: torch int32 [N, K] in -8..7, scales: torch [N, K/g], both on the target device ->
+    (packed weight, scales_and_zeros [K/g, N, 2] bf16) for tinygemm: w = (q - 8) * scale + zero
+    with q = code + 8 and zero 0."""
+    q = codes.to(torch.int32) + 8
+    if q.device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), inner_k_tiles)
     else:
-        u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).to(device)
+        u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous()
         packed = torch.ops.aten._convert_weight_to_int4pack(u8, inner_k_tiles)
-    s = torch.as_tensor(np.asarray(scales, dtype=np.float32)).t()
-    sz = torch.stack([s, torch.zeros_like(s)], dim=-1).to(torch.bfloat16).contiguous().to(device)
-    return packed, sz
+    s = scales.float().t()
+    return packed, torch.stack([s, torch.zeros_like(s)], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def as_torch(a, torch):
+    """A NumPy or CuPy array -> a torch tensor on the same device (no copy for CuPy)."""
+    return torch.from_numpy(np.array(a)) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
 
 
 def int4_mm(x, w, group, torch):
@@ -59,6 +64,7 @@ class TorchInt4:
         from nanoqwen_lib.format.quant import unpack_int4_value_shuffle
         self.torch, self.dev, self.dims, self.max_len = torch, device, nq_file.dims, max_len
         d, t = nq_file.dims, nq_file.model_tensors()
+        xp = np if device == "cpu" else __import__("cupy")       # the INT4 codes unpacked on the device
         self.group = load().format.group_size
         f32 = lambda n: torch.as_tensor(np.asarray(t[n], dtype=np.float32)).to(device)  # noqa: E731
         self.layers = []
@@ -66,9 +72,9 @@ class TorchInt4:
             p = f"model.layers.{i}."
             L = {}
             for key, projs in PROJ_GROUPS.items():
-                codes = np.concatenate([unpack_int4_value_shuffle(np.asarray(t[p + n + ".qweight"])) for n in projs])
-                scales = np.concatenate([np.asarray(t[p + n + ".scales"]) for n in projs])
-                L[key] = tinygemm_pack(codes, scales, torch, device)
+                codes = xp.concatenate([unpack_int4_value_shuffle(xp.asarray(t[p + n + ".qweight"]), xp) for n in projs])
+                scales = xp.concatenate([xp.asarray(t[p + n + ".scales"]) for n in projs])
+                L[key] = tinygemm_pack(as_torch(codes.astype(xp.int32), torch), as_torch(scales, torch), torch)
             L["b_qkv"] = torch.cat([f32(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             L["ln1"], L["ln2"] = f32(p + "input_layernorm.weight"), f32(p + "post_attention_layernorm.weight")
             self.layers.append(L)
