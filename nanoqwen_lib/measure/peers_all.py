@@ -173,3 +173,60 @@ def format_peers(r: dict) -> list[str]:
             verdict = ""
         lines.append(f"peer {name:<24} {ttft}, {itl}; {agree}; {verdict}")
     return lines
+
+
+# ---------------------------------------------------------------- the scoreboard (chapter 10)
+ROWS = (("llama_cpp_Q4_K_M", "llama.cpp Q4_K_M"), ("llama_cpp_Q4_0", "llama.cpp Q4_0"),
+        ("torch_int4", "torch INT4 tinygemm"), ("hf_fp16_compiled", "transformers FP16, static + compiled"),
+        ("hf_fp16_eager", "transformers FP16, eager"), ("dequant_cublas_prefill", "dequantize + cuBLAS prefill"))
+
+
+def peer_status(p: dict | None) -> str:
+    """What a row's check says, in a few words."""
+    if p is None:
+        return "not in this JSON"
+    if "error" in p:
+        return "could not run: " + p["error"]
+    ag = p.get("agreement")
+    if not ag:
+        return "not checked (no agreement in this JSON): no ratio"
+    if "wrong" in p or not ag.get("agrees"):
+        return "WRONG: " + (p.get("wrong") or ag.get("why_not") or ag.get("error", "")) + ": no ratio"
+    if "steps" in ag:
+        return (f"agrees: {ag['identical']}/{ag['steps']} teacher-forced (+{ag['near_tie_mismatches']} near-ties, "
+                f"noise {ag['noise_logits']:.2g}), free-running {ag['free_running']['identical_prefix_tokens']}"
+                f"/{ag['free_running']['tokens']}")
+    return "agrees: " + ag.get("note", "")
+
+
+def scoreboard_rows(r: dict) -> list[dict]:
+    """bench's JSON -> rows: ours first, then ROWS, then any other peer the JSON holds.
+    Each row: label, itl_ms, ttft_ms (None where the row has none or it is absent),
+    status, and the ratio of the peer's ITL to ours (only for a peer that agrees)."""
+    peers = r.get("peers", {})
+    rows = [{"key": "nanoqwen", "label": "nanoqwen (ours)", "itl_ms": r["itl_ms"]["median"], "ttft_ms": r["ttft_ms"],
+             "status": peer_status(peers["nanoqwen"]) if "nanoqwen" in peers else "not checked in this JSON",
+             "ratio": 1.0}]
+    keys = [k for k, _ in ROWS] + [k for k in peers if k not in dict(ROWS) and k not in ("nanoqwen", "llama_cpp")]
+    for key in keys:
+        p = peers.get(key)
+        ok = p is not None and "error" not in p and p.get("agreement", {}).get("agrees") and "wrong" not in p
+        itl = (p or {}).get("itl_ms")
+        rows.append({"key": key, "label": dict(ROWS).get(key, key), "itl_ms": itl, "ttft_ms": (p or {}).get("ttft_ms"),
+                     "status": peer_status(p), "ratio": itl / r["itl_ms"]["median"] if ok and itl else None})
+    if "llama_cpp" in peers:
+        rows.append({"key": "llama_cpp", "label": "llama.cpp", "itl_ms": None, "ttft_ms": None,
+                     "status": peer_status(peers["llama_cpp"]), "ratio": None})
+    return rows
+
+
+def format_scoreboard(rows: list[dict], article: dict) -> str:
+    """The table: measured rows, then the article's, quoted with their source."""
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"{'':<38}{'ITL ms':>8}{'TTFT ms':>9}{'ITL/ours':>10}  check"]
+    for x in rows:
+        lines.append(f"{x['label']:<38}{f(x['itl_ms'], '.3f'):>8}{f(x['ttft_ms'], '.1f'):>9}"
+                     f"{f(x['ratio'], '.2f'):>10}  {x['status']}")
+    for name, a in article.items():
+        lines.append(f"{name:<38}{a['itl_ms']:>8.2f}{a['ttft_ms']:>9.0f}{'-':>10}  quoted: {a['source']}")
+    return "\n".join(lines)
