@@ -138,13 +138,17 @@ def build(src: Path, build_dir: Path, cuda: bool, jobs: int) -> Path:
 # ---------------------------------------------------------------- convert, quantize, time
 def convert(src: Path, checkpoint: Path, out: Path) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
-    sh([sys.executable, src / "convert_hf_to_gguf.py", checkpoint, "--outtype", "f16", "--outfile", out], env=env)
+    tmp = out.with_name(out.name + ".tmp")
+    sh([sys.executable, src / "convert_hf_to_gguf.py", checkpoint, "--outtype", "f16", "--outfile", tmp], env=env)
+    tmp.replace(out)
     return out
 
 
 def quantize(bin_dir: Path, f16: Path, kind: str, threads: int) -> Path:
     out = f16.with_name(f"model-{kind}.gguf")
-    sh([bin_dir / "llama-quantize", f16, out, kind, str(threads)])
+    tmp = out.with_name(out.name + ".tmp")
+    sh([bin_dir / "llama-quantize", f16, tmp, kind, str(threads)])
+    tmp.replace(out)
     return out
 
 
@@ -286,10 +290,11 @@ def run(a) -> dict:
             entry["agreement"] = {f"fa{fa}": agreement(q, src, dims, a.cuda, bool(fa)) for fa in (0, 1)}
         except Exception as e:  # reported, not hidden: the peer is then not judged correct
             entry["agreement"] = {"error": f"{type(e).__name__}: {e}"[:800]}
+            log(f"{kind}: agreement could not run: {entry['agreement']['error']}")
         result["quants"][kind] = entry
         log(f"{kind}: {json.dumps(entry['bench'])}")
-    if rows:
-        result["version"]["build_commit"] = rows[0].get("build_commit")
+    if rows and rows[0].get("build_commit") not in (None, "unknown"):   # a source tarball has no git:
+        result["version"]["build_commit"] = rows[0]["build_commit"]      # the commit is VERSION's
         result["version"]["build_number"] = rows[0].get("build_number")
     out = Path(a.out)
     tmp = out.with_name(f".{out.name}.tmp")
