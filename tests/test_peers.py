@@ -203,3 +203,70 @@ def test_dequant_matmul_prefill_matches_the_reference(tiny):
     layers = [fp16_layer(f.model_tensors(), i, np) for i in range(f.dims.num_layers)]
     assert layers[0].w_qkv.dtype == np.float16 and layers[0].b_qkv.dtype == np.float32
     np.testing.assert_array_equal(prefill_dequant_matmul(f.model_tensors(), f.dims, ids, layers=layers), got)
+
+
+# ---------------------------------------------------------------- rows, ratios and the llama.cpp JSON
+def verdict(agrees, why=""):
+    return {"agrees": agrees, "why_not": why, "steps": 8, "identical": 8 - (not agrees), "near_tie_mismatches": 0,
+            "noise_logits": 0.1, "free_running": {"identical_prefix_tokens": 8, "tokens": 8}}
+
+
+def test_only_a_peer_that_agrees_gets_a_ratio():
+    from nanoqwen_lib.measure.peers_all import scoreboard_rows, with_ratio
+    ours = {"itl_ms": {"median": 2.0}, "ttft_ms": 40.0}
+    good = with_ratio({"itl_ms": 5.0, "ttft_ms": 20.0, "agreement": verdict(True)}, ours)
+    bad = with_ratio({"itl_ms": 1.0, "agreement": verdict(False, "3 steps disagree")}, ours)
+    assert good["itl_ratio_vs_nanoqwen"] == 2.5 and good["ttft_ratio_vs_nanoqwen"] == 0.5
+    assert "itl_ratio_vs_nanoqwen" not in bad and bad["wrong"] == "3 steps disagree"
+    r = {**ours, "peers": {"torch_int4": good, "hf_fp16_eager": bad, "hf_fp16_compiled": {"error": "no CUDA"}}}
+    rows = {x["key"]: x for x in scoreboard_rows(r)}
+    assert rows["torch_int4"]["ratio"] == 2.5 and rows["torch_int4"]["status"].startswith("agrees")
+    assert rows["hf_fp16_eager"]["ratio"] is None and rows["hf_fp16_eager"]["status"].startswith("WRONG")
+    assert rows["hf_fp16_compiled"]["status"] == "could not run: no CUDA"
+    assert rows["llama_cpp_Q4_0"]["itl_ms"] is None and rows["llama_cpp_Q4_0"]["status"] == "not in this JSON"
+
+
+def load_tool():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "tools" / "llama_cpp_bench.py"
+    spec = importlib.util.spec_from_file_location("llama_cpp_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_llama_bench_rows_become_ttft_and_itl_and_the_checked_setting_is_the_row(tmp_path):
+    import json
+    from nanoqwen_lib.measure.peers_all import llama_cpp_rows
+    tool = load_tool()
+    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 10240.0, "flash_attn": 0},
+            {"n_prompt": 0, "n_gen": 128, "avg_ts": 200.0, "flash_attn": 0},
+            {"n_prompt": 512, "n_gen": 0, "avg_ts": 12800.0, "flash_attn": 1},
+            {"n_prompt": 0, "n_gen": 128, "avg_ts": 250.0, "flash_attn": 1}]
+    bench = tool.summarize_bench(rows)
+    assert bench["fa0"]["ttft_ms"] == pytest.approx(50.0) and bench["fa0"]["itl_ms"] == pytest.approx(5.0)
+    assert bench["fa1"]["ttft_ms"] == pytest.approx(40.0) and bench["fa1"]["itl_ms"] == pytest.approx(4.0)
+    d = {"version": {"llama_cpp_commit": "abc", "llama_cpp_python": "0.3"},
+         "protocol": {"prompt_tokens": 512, "gen_tokens": 128, "repetitions": 5, "ngl": 99},
+         "quants": {"Q4_K_M": {"bench": bench, "agreement": {"fa1": verdict(True)}},
+                    "Q4_0": {"bench": bench, "agreement": {"error": "ImportError: x"}}}}
+    (tmp_path / "l.json").write_text(json.dumps(d))
+    out = llama_cpp_rows(tmp_path / "l.json")
+    assert out["llama_cpp_Q4_K_M"]["itl_ms"] == pytest.approx(4.0) and out["llama_cpp_Q4_K_M"]["agreement"]["agrees"]
+    assert "flash attention on" in out["llama_cpp_Q4_K_M"]["how"]
+    assert out["llama_cpp_Q4_0"]["agreement"] == {"error": "ImportError: x"}
+
+
+def test_gguf_names_map_onto_every_tensor_of_the_model():
+    """convert_hf_to_gguf's qwen2 names -> ours: every tensor of the model once, no other."""
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.format.layout import hf_tensors
+    tool = load_tool()
+    dims = load().model("tiny")
+    gguf = ["token_embd.weight", "output_norm.weight", "output.weight"] + [
+        f"blk.{i}.{n}" for i in range(dims.num_layers) for n in tool.BLOCK_NAMES]
+    mapped = [tool.hf_name(n) for n in gguf]
+    assert sorted(mapped) == sorted(hf_tensors(dims)) and len(set(mapped)) == len(mapped)
+    with pytest.raises(KeyError):
+        tool.hf_name("blk.0.attn_qkv.weight")
