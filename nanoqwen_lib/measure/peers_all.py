@@ -113,7 +113,7 @@ def run_peers(nq_file, ours: dict, progress=print, llama_cpp_json=None) -> dict:
     def hf_rows():
         from nanoqwen_lib.measure.peers_hf import hf_rows as rows
         return rows(nq_file, prompt, proto["gen_tokens"], warmup=1, runs=3, check=check,
-                    reference_tokens=ours.get("tokens"))
+                    ours_tokens=ours.get("tokens"))
 
     def dequant_row():
         from nanoqwen_lib.measure.prefill_dequant import time_prefill_dequant

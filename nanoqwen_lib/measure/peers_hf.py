@@ -132,7 +132,7 @@ def free_running_prefix(got, want) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
-def hf_rows(nq_file, prompt, gen_tokens: int, warmup: int, runs: int, check, reference_tokens=None) -> dict:
+def hf_rows(nq_file, prompt, gen_tokens: int, warmup: int, runs: int, check, ours_tokens=None) -> dict:
     """Both rows on CUDA: the check once (the model is the same), then each row timed."""
     import cupy as cp
     import torch
@@ -151,8 +151,8 @@ def hf_rows(nq_file, prompt, gen_tokens: int, warmup: int, runs: int, check, ref
                    "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
                    "ttft_ms": float(np.median([r[1] for r in res])), "itl_ms": float(np.median(itl)),
                    "itl_ms_per_run": itl, "tokens": res[-1][0], "agreement": agreement}
-            if reference_tokens is not None:
-                row["free_running_vs_reference"] = free_running_prefix(res[-1][0], reference_tokens)
+            if ours_tokens is not None:
+                row["free_running_vs_nanoqwen"] = free_running_prefix(res[-1][0], ours_tokens)
             rows[name] = row
         except Exception as e:  # reported: the other row may still run
             rows[name] = {"error": f"{type(e).__name__}: {e}"[:500]}

@@ -35,9 +35,10 @@ def to_fp16(a):
     return a.astype("float16")
 
 
-def prefill_dequant_matmul(tensors, dims, ids, xp=np, layers=None):
+def prefill_dequant_matmul(tensors, dims, ids, xp=np, layers=None, head=None):
     """ids [T] -> logits float32 [vocab] of the last position. layers: FP16 LayerWeights
-    already expanded (None: expand each layer as it is reached)."""
+    already expanded (None: expand each layer as it is reached); head: the lm_head as
+    float32 (None: widened here), loaded once like any runtime's weights."""
     from nanoqwen_lib.model.reference import check_tensors
     check_tensors(dims, tensors)
     x = xp.asarray(tensors["model.embed_tokens.weight"])[xp.asarray(np.asarray(ids, dtype=np.int64))].astype("float32")
@@ -45,9 +46,14 @@ def prefill_dequant_matmul(tensors, dims, ids, xp=np, layers=None):
     for i in range(dims.num_layers):
         w = layers[i] if layers is not None else fp16_layer(tensors, i, xp)
         x, _, _ = decoder_layer(x, w, empty, empty, dims, round_fp16, act_q=to_fp16)
-    head = "model.embed_tokens.weight" if dims.tie_embeddings else "lm_head.weight"
     norm = xp.asarray(tensors["model.norm.weight"]).astype("float32")
-    return final_logits(x[-1:], norm, xp.asarray(tensors[head]).astype("float32"), dims.rms_eps, xp)[0]
+    head = lm_head_fp32(tensors, dims, xp) if head is None else head
+    return final_logits(x[-1:], norm, head, dims.rms_eps, xp)[0]
+
+
+def lm_head_fp32(tensors, dims, xp):
+    name = "model.embed_tokens.weight" if dims.tie_embeddings else "lm_head.weight"
+    return xp.asarray(tensors[name]).astype("float32")
 
 
 def time_prefill_dequant(nq_file, prompt, warmup: int = 2, runs: int = 5) -> dict:
@@ -69,7 +75,8 @@ def time_prefill_dequant(nq_file, prompt, warmup: int = 2, runs: int = 5) -> dic
                 out.append(cp.cuda.get_elapsed_time(a, b))
         return float(np.median(out))
 
-    ttft = timed(lambda: int(prefill_dequant_matmul(dev, dims, prompt, cp).argmax()))
+    head = lm_head_fp32(dev, dims, cp)
+    ttft = timed(lambda: int(prefill_dequant_matmul(dev, dims, prompt, cp, head=head).argmax()))
     layers = [fp16_layer(dev, i, cp) for i in range(dims.num_layers)]
     xs = {"w_qkv": dims.hidden, "w_o": dims.q_dim, "w_gate_up": dims.hidden, "w_down": dims.intermediate}
     xin = {k: cp.random.standard_normal((len(prompt), n), dtype=cp.float32).astype(cp.float16) for k, n in xs.items()}
@@ -79,8 +86,8 @@ def time_prefill_dequant(nq_file, prompt, warmup: int = 2, runs: int = 5) -> dic
             for k in WEIGHTS:
                 cp.matmul(xin[k], getattr(w, k).T)
     gemm = timed(gemms)
-    ttft_pre = timed(lambda: int(prefill_dequant_matmul(dev, dims, prompt, cp, layers).argmax()))
-    del layers, dev
+    ttft_pre = timed(lambda: int(prefill_dequant_matmul(dev, dims, prompt, cp, layers, head).argmax()))
+    del layers, dev, head
     cp.get_default_memory_pool().free_all_blocks()
     return {"how": "INT4 weights expanded to FP16 per layer, cupy.matmul (cuBLAS, FP16 in/out, FP32 accumulation) "
                    "for the four projections, the reference's norms/RoPE/attention on CuPy; CUDA events, median of "
