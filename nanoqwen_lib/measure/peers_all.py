@@ -75,8 +75,10 @@ def llama_cpp_rows(path) -> dict:
                    f"{d['protocol']['repetitions']} repetitions, flash attention {best[-1] == '1' and 'on' or 'off'} "
                    "(the faster); TTFT = prompt tokens / pp t/s, ITL = 1 / tg t/s; checked against our reference "
                    "on the GGUF's own dequantized weights",
-            "version": f"llama.cpp {v.get('llama_cpp_commit')} (build {v.get('build_number')}, "
-                       f"{v.get('build_commit')}), via llama-cpp-python {v.get('llama_cpp_python')}",
+            "version": f"llama.cpp {v.get('llama_cpp_commit')}"
+                       + (f" (build {v['build_number']}, {v.get('build_commit')})" if v.get("build_number") else "")
+                       + f", built from llama-cpp-python {v.get('llama_cpp_python')}'s source",
+            "protocol": d["protocol"], "model": d.get("model"),
             "ttft_ms": bench[best].get("ttft_ms"), "itl_ms": bench[best].get("itl_ms"),
             "bench": bench, "agreement": verdict or {"error": "no agreement in the JSON"}}
     return rows
@@ -139,7 +141,14 @@ def run_peers(nq_file, ours: dict, progress=print, llama_cpp_json=None) -> dict:
                 pass
     if llama_cpp_json:
         try:
-            out.update(llama_cpp_rows(llama_cpp_json))
+            rows = llama_cpp_rows(llama_cpp_json)
+            for row in rows.values():             # the same request, or no ratio
+                p = row["protocol"]
+                if (p["prompt_tokens"], p["gen_tokens"]) != (proto["prompt_tokens"], proto["gen_tokens"]):
+                    row["agreement"] = {"agrees": False, "why_not": f"timed at pp{p['prompt_tokens']}/tg{p['gen_tokens']}, "
+                                        f"not this run's pp{proto['prompt_tokens']}/tg{proto['gen_tokens']}",
+                                        **{k: v for k, v in row["agreement"].items() if k not in ("agrees", "why_not")}}
+            out.update(rows)
         except Exception as e:
             out["llama_cpp"] = {"error": f"{llama_cpp_json}: {type(e).__name__}: {e}"[:500]}
     else:
