@@ -143,10 +143,11 @@ def run_peers(nq_file, ours: dict, progress=print, llama_cpp_json=None) -> dict:
         try:
             rows = llama_cpp_rows(llama_cpp_json)
             for row in rows.values():             # the same request, or no ratio
-                p = row["protocol"]
-                if (p["prompt_tokens"], p["gen_tokens"]) != (proto["prompt_tokens"], proto["gen_tokens"]):
-                    row["agreement"] = {"agrees": False, "why_not": f"timed at pp{p['prompt_tokens']}/tg{p['gen_tokens']}, "
-                                        f"not this run's pp{proto['prompt_tokens']}/tg{proto['gen_tokens']}",
+                p, m = row["protocol"], load().model(row["model"])
+                if (p["prompt_tokens"], p["gen_tokens"], m.num_layers, m.hidden) != (
+                        proto["prompt_tokens"], proto["gen_tokens"], dims.num_layers, dims.hidden):
+                    row["agreement"] = {"agrees": False, "why_not": f"{row['model']} at pp{p['prompt_tokens']}/"
+                                        f"tg{p['gen_tokens']}, not this run's model and request",
                                         **{k: v for k, v in row["agreement"].items() if k not in ("agrees", "why_not")}}
             out.update(rows)
         except Exception as e:
