@@ -150,20 +150,26 @@ class TorchInt4Peer:
             self._capture(compile_step)
 
     def _capture(self, compile_step):
+        """Warm up and capture the compiled step; if compiling or capturing it fails, the
+        eager step (and `how` says why)."""
         torch, m = self.torch, self.m
-        fn = m.step
         if compile_step:
             try:
                 fn = torch.compile(m.step, fullgraph=True)     # Inductor fuses the small ops; the
-                self._warm(fn)                                 # graph is captured by hand below
+                self._record(fn)                               # graph is captured by hand
                 self.how.append("step compiled by torch.compile (Inductor, fullgraph)")
-            except Exception as e:  # reported in `how`, the eager step still runs in the graph
-                fn = m.step
+                return
+            except Exception as e:  # reported in `how`; the eager step is captured instead
                 self.how.append(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); eager step")
+        self._record(m.step)
+
+    def _record(self, fn):
+        torch = self.torch
         self._warm(fn)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph):
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
             fn()
+        self.graph = graph
         self.how.append("the step captured in one CUDA graph")
 
     def _warm(self, fn):
