@@ -170,6 +170,34 @@ def test_a_torch_int4_peer_with_interleaved_rope_is_flagged(tiny):
     assert not v["agrees"]
 
 
+def test_torch_int4_step_compiles_whole_and_matches_the_eager_step(tiny):
+    """torch.compile(fullgraph=True) traces the whole decode step (tinygemm, the static
+    cache's index_copy_, the position and token tensors) with no graph break; the compiled
+    step (Inductor, on the CPU here; captured in a CUDA graph on the GPU) gives the eager
+    step's logits up to fusion rounding and the same tokens."""
+    from nanoqwen_lib.measure.peers_torch import TorchInt4Peer
+    f, _, prompts = tiny
+    peer = TorchInt4Peer(f, "cpu", max_len=64)
+    forced = [101, 7, 3000, 42]
+
+    def run(step):
+        peer.prefill(prompts[0])
+        out = []
+        for t in forced:
+            peer.m.tok.fill_(t)
+            with torch.inference_mode():
+                step()
+            out.append(peer.m.out[0].numpy().copy())
+        return np.array(out), peer.m.kc.clone()
+
+    eager, kc_eager = run(peer.m.step)
+    compiled, kc_compiled = run(torch.compile(peer.m.step, fullgraph=True))
+    assert peer.m.pos.item() == len(prompts[0]) + len(forced)
+    np.testing.assert_allclose(compiled, eager, atol=0.1, rtol=0)
+    assert (compiled.argmax(-1) == eager.argmax(-1)).all()
+    torch.testing.assert_close(kc_compiled, kc_eager, atol=2e-3, rtol=0)
+
+
 def test_transformers_peer_computes_our_model_and_generate_runs_both_settings(tiny):
     """transformers FP16 (uncompiled on the CPU: its compiled decode is CUDA-only) agrees
     teacher-forced; generate with the static-cache + compile settings and with the defaults

@@ -39,7 +39,7 @@ class RecordingPeer:
         self._last = None
 
     def _take(self, logits) -> int:
-        self._last = self.xp.asarray(logits, dtype="float32")
+        self._last = self.xp.array(logits, dtype="float32")      # a copy: a peer may reuse its buffer
         tok = int(self._last.argmax())
         self.chosen.append(tok)
         return tok

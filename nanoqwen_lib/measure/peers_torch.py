@@ -204,7 +204,7 @@ class TorchInt4Peer:
 
     def step(self, token):
         self.launch(token)
-        return self.m.out[0].cpu().numpy()
+        return self.m.out[0].cpu().numpy().copy()      # out is overwritten by the next step
 
 
 def time_torch_int4(peer: TorchInt4Peer, prompt, gen_tokens: int, warmup: int) -> dict:
