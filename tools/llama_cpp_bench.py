@@ -148,11 +148,22 @@ def build(src: Path, build_dir: Path, cuda: bool, jobs: int) -> Path:
 
 
 # ---------------------------------------------------------------- convert, quantize, time
-def convert(src: Path, checkpoint: Path, out: Path) -> Path:
+def convert_start(src: Path, checkpoint: Path, out: Path) -> subprocess.Popen:
+    """Start convert_hf_to_gguf.py (f16) in the background: it needs no build, so it runs
+    beside the compiler. convert_finish waits for it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
-    tmp = out.with_name(out.name + ".tmp")
-    sh([sys.executable, src / "convert_hf_to_gguf.py", checkpoint, "--outtype", "f16", "--outfile", tmp], env=env)
-    tmp.replace(out)
+    cmd = [sys.executable, src / "convert_hf_to_gguf.py", checkpoint, "--outtype", "f16", "--outfile",
+           out.with_name(out.name + ".tmp")]
+    log(" ".join(map(str, cmd)))
+    return subprocess.Popen(list(map(str, cmd)), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def convert_finish(proc: subprocess.Popen, out: Path) -> Path:
+    text, _ = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py exited {proc.returncode}:\n{text[-4000:]}")
+    out.with_name(out.name + ".tmp").replace(out)
+    log(f"converted {out} ({out.stat().st_size / 1e9:.2f} GB)")
     return out
 
 
@@ -294,17 +305,23 @@ def run(a) -> dict | None:
     src, bin_dir = src_root / "llama.cpp", work / ("build-cuda" if a.cuda else "build-cpu") / "bin"
     state_path = work / "state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    dims, f16 = synthesize_dims(a.model), work / "model-f16.gguf"
+    converting = convert_start(src, synthetic_checkpoint(a.model, progress=False), f16) if "convert" in steps else None
     if "build" in steps:
         t0 = time.time()
-        build(src, bin_dir.parent, a.cuda, a.jobs)
+        try:
+            build(src, bin_dir.parent, a.cuda, a.jobs)
+        except BaseException:
+            if converting is not None:
+                converting.kill()
+            raise
         state["build"] = {"cuda": a.cuda, "arch": "sm_90" if a.cuda else "cpu", "seconds": round(time.time() - t0, 1)}
     elif a.cuda:
         cublas_hints()                                       # LD_LIBRARY_PATH for pip's cuBLAS, if used
     os.environ["LLAMA_CPP_LIB_PATH"] = str(bin_dir)
     sys.path.insert(0, str(src_root))                        # the llama_cpp bindings
-    dims, f16 = synthesize_dims(a.model), work / "model-f16.gguf"
-    if "convert" in steps:
-        convert(src, synthetic_checkpoint(a.model, progress=False), f16)
+    if converting is not None:
+        convert_finish(converting, f16)
     for kind in QUANTS:
         entry = state.setdefault("quants", {}).setdefault(kind, {})
         q = f16.with_name(f"model-{kind}.gguf")
