@@ -12,9 +12,10 @@ The recipe (every step llama.cpp's own tools; llama.cpp's code never enters this
            bindings); synthesize our checkpoint (synthetic.cache); convert it with llama.cpp's
            convert_hf_to_gguf.py (f16) and quantize it to Q4_K_M and Q4_0 with llama-quantize;
            time pp<prompt_tokens>/tg<gen_tokens> with llama-bench (-ngl 99, flash attention
-           off and on, 5 repetitions); check each quantization's tokens against our
-           reference model run on the same quantized weights (the GGUF's tensors dequantized
-           by llama.cpp's gguf-py; measure/peer_check.py judges); write one JSON.
+           off and on, 5 repetitions); check each quantization's tokens (the faster flash
+           attention setting's) against our reference model run on the same quantized
+           weights (dequantized to F16 by llama-quantize itself, read with llama.cpp's
+           gguf-py; measure/peer_check.py judges); write one JSON.
 
 Token agreement: llama.cpp's Q4_K_M is not our INT4 (other groups, other scales, Q6_K
 for some tensors), so the reference it must agree with is our reference model
@@ -54,6 +55,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -144,6 +146,9 @@ def build(src: Path, build_dir: Path, cuda: bool, jobs: int) -> Path:
             "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"]
     if cuda:
         args += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_CUDA_NCCL=OFF", *cublas_hints()]
+        nvcc = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
+        if not shutil.which("nvcc") and nvcc.exists():         # the toolkit off the PATH
+            args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
     sh(args)
     sh(["cmake", "--build", build_dir, "-j", str(jobs), "--target", "llama-quantize", "llama-bench", "llama"])
     return build_dir / "bin"
@@ -218,17 +223,33 @@ def hf_name(gguf_name: str) -> str:
 
 
 def gguf_tensors(path: Path, src: Path) -> dict:
-    """A GGUF's tensors dequantized by gguf-py -> HF names, fp16 (the unquantized
-    encoding of layout.packed_tensors, which ReferenceModel takes)."""
+    """A GGUF's tensors -> HF names, fp16 (the unquantized encoding of
+    layout.packed_tensors, which ReferenceModel takes). F16/F32 tensors are read as they
+    are; quantized ones are dequantized by gguf-py (NumPy, one core: slow on the 7B, where
+    dequantized_copy lets llama-quantize do it first)."""
     import numpy as np
     sys.path.insert(0, str(src / "gguf-py"))
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
     out = {}
     for t in GGUFReader(str(path)).tensors:
-        w = dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        out[hf_name(t.name)] = np.ascontiguousarray(w.reshape(shape).astype(np.float16))
+        if t.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.F32):
+            w = np.asarray(t.data).reshape(shape)
+        else:
+            w = dequantize(t.data, t.tensor_type).reshape(shape)
+        out[hf_name(t.name)] = np.ascontiguousarray(w, dtype=np.float16)
+    return out
+
+
+def dequantized_copy(bin_dir: Path, gguf: Path, threads: int) -> Path:
+    """llama.cpp's own dequantization of every tensor to F16 (llama-quantize
+    --allow-requantize ... F16, all cores): the same values as gguf-py's (checked on tiny,
+    bit for bit), in seconds instead of minutes on the 7B."""
+    out = gguf.with_name(gguf.stem + "-dequantized-f16.gguf")
+    tmp = out.with_name(out.name + ".tmp")
+    sh([bin_dir / "llama-quantize", "--allow-requantize", gguf, tmp, "F16", str(threads)])
+    tmp.replace(out)
     return out
 
 
@@ -258,7 +279,7 @@ class LlamaCppPeer:
         return self._logits()
 
 
-def agreement(gguf: Path, src: Path, dims, cuda: bool, flash_attn: bool) -> dict:
+def agreement(gguf: Path, src: Path, bin_dir: Path, dims, cuda: bool, flash_attn: bool, threads: int) -> dict:
     """measure.peer_check on llama.cpp against our reference on the GGUF's own weights."""
     from nanoqwen_lib.config import load
     from nanoqwen_lib.measure.peer_check import check_peer, summary
@@ -266,7 +287,9 @@ def agreement(gguf: Path, src: Path, dims, cuda: bool, flash_attn: bool) -> dict
     from nanoqwen_lib.model.reference import ReferenceModel
     v = load().validation
     xp = __import__("cupy") if cuda else __import__("numpy")
-    reference = ReferenceModel(dims, gguf_tensors(gguf, src), xp=xp)
+    deq = dequantized_copy(bin_dir, gguf, threads)
+    reference = ReferenceModel(dims, gguf_tensors(deq, src), xp=xp)
+    deq.unlink()
     prompts = validation_prompts(v.peer_prompts)
     peer = LlamaCppPeer(gguf, max(map(len, prompts)) + v.peer_gen_tokens + 8, cuda, flash_attn)
     r = check_peer(peer, reference, dims, prompts, v.peer_gen_tokens, xp)
@@ -338,7 +361,7 @@ def run(a) -> dict | None:
             # the setting the row reports (the faster one, peers_all.llama_cpp_rows) is the one checked
             best = min(entry["bench"], key=lambda k: entry["bench"][k].get("itl_ms", float("inf")))
             try:
-                entry["agreement"] = {best: agreement(q, src, dims, a.cuda, best == "fa1")}
+                entry["agreement"] = {best: agreement(q, src, bin_dir, dims, a.cuda, best == "fa1", a.jobs)}
             except Exception as e:  # reported, not hidden: the peer is then not judged correct
                 entry["agreement"] = {"error": f"{type(e).__name__}: {e}"[:800]}
                 log(f"{kind}: agreement could not run: {entry['agreement']['error']}")
