@@ -298,3 +298,54 @@ def test_gguf_names_map_onto_every_tensor_of_the_model():
     assert sorted(mapped) == sorted(hf_tensors(dims)) and len(set(mapped)) == len(mapped)
     with pytest.raises(KeyError):
         tool.hf_name("blk.0.attn_qkv.weight")
+
+
+def test_pack_keeps_the_build_and_the_bindings_and_drops_the_rest(tmp_path):
+    """pack: vendor/llama.cpp less docs/models/tests/..., the llama_cpp bindings, and a
+    VERSION naming the package and the llama.cpp commit from the changelog."""
+    import io
+    import json
+    import tarfile
+    tool = load_tool()
+    sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    files = {"CHANGELOG.md": "## [9.9.9]\n\n- feat: update llama.cpp to ggml-org/llama.cpp@abc1234\n",
+             "vendor/llama.cpp/CMakeLists.txt": "x", "vendor/llama.cpp/tools/quantize/q.cpp": "q",
+             "vendor/llama.cpp/tools/ui/big.js": "u", "vendor/llama.cpp/models/v.gguf": "m",
+             "vendor/llama.cpp/docs/a.md": "d", "vendor/llama.cpp/gguf-py/gguf/__init__.py": "g",
+             "llama_cpp/llama.py": "l", "tests/test_x.py": "t"}
+    with tarfile.open(sdist, "w:gz") as t:
+        for name, text in files.items():
+            info = tarfile.TarInfo(f"llama_cpp_python-9.9.9/{name}")
+            info.size = len(text)
+            t.addfile(info, io.BytesIO(text.encode()))
+    out = tool.pack(sdist, tmp_path / "src.tar.gz")
+    with tarfile.open(out) as t:
+        names = sorted(t.getnames())
+        version = json.loads(t.extractfile("VERSION").read())
+    assert names == ["VERSION", "llama.cpp/CMakeLists.txt", "llama.cpp/gguf-py/gguf/__init__.py",
+                     "llama.cpp/tools/quantize/q.cpp", "llama_cpp/llama.py"]
+    assert version == {"llama_cpp_python": "9.9.9", "llama_cpp_commit": "abc1234"}
+
+
+def test_cublas_hints_point_cmake_at_pips_cublas_only_when_the_toolkit_lacks_it(tmp_path, monkeypatch):
+    tool = load_tool()
+    cuda, site = tmp_path / "cuda", tmp_path / "site"
+    (cuda / "lib64").mkdir(parents=True)
+    for rel in ("nvidia/cu13/lib/libcublas.so.13", "nvidia/cu13/lib/libcublasLt.so.13", "nvidia/cu13/include/cublas_v2.h"):
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(cuda))
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/x")
+    monkeypatch.setattr(tool.sysconfig, "get_paths", lambda: {"purelib": str(site)})
+    lib = site / "nvidia/cu13/lib"
+    assert tool.cublas_hints() == [f"-DCUDA_cublas_LIBRARY={lib / 'libcublas.so.13'}",
+                                   f"-DCUDA_cublasLt_LIBRARY={lib / 'libcublasLt.so.13'}",
+                                   f"-DCMAKE_CUDA_FLAGS=-I{site / 'nvidia/cu13/include'}",
+                                   f"-DCMAKE_CXX_FLAGS=-I{site / 'nvidia/cu13/include'}"]
+    assert tool.os.environ["LD_LIBRARY_PATH"].split(":")[:2] == [str(lib), "/x"]
+    (cuda / "lib64" / "libcublas.so.13").write_text("")
+    assert tool.cublas_hints() == []
+    (cuda / "lib64" / "libcublas.so.13").unlink()
+    (lib / "libcublasLt.so.13").unlink()
+    with pytest.raises(RuntimeError, match="no cuBLAS"):
+        tool.cublas_hints()
