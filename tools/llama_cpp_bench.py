@@ -52,6 +52,7 @@ On the CPU (proven here with the tiny model, ~15 minutes on 2 cores, most of it 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import json
 import os
@@ -135,6 +136,11 @@ def cublas_hints() -> list[str]:
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
         [str(Path(libs["cublas"][0]).parent), os.environ.get("LD_LIBRARY_PATH", "")])
     log(f"cuBLAS from pip: {libs['cublas'][0]}, headers {inc}")
+    for lib in (libs["cublasLt"][0], libs["cublas"][0]):    # for libggml-cuda loaded in this process
+        try:                                                  # (LD_LIBRARY_PATH counts only for children)
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            log(f"could not preload {lib}: {e}")
     return [f"-DCUDA_cublas_LIBRARY={libs['cublas'][0]}", f"-DCUDA_cublasLt_LIBRARY={libs['cublasLt'][0]}",
             f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
 
