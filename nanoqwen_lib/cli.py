@@ -218,8 +218,9 @@ def cmd_bench(a) -> int:
                       progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True),
                       prefill=a.prefill, breakdown=a.breakdown)
     if a.peers:
-        from nanoqwen_lib.measure.peers import run_peers
-        r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True))
+        from nanoqwen_lib.measure.peers_all import run_peers
+        r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True),
+                               llama_cpp_json=a.llama_cpp)
     print(format_report(r))
     if a.json:
         write_json(r, a.json)
@@ -295,7 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=_nonneg, default=None, help="untimed warm-up requests (default: nanoqwen.yaml)")
     s.add_argument("--prompt-tokens", type=_positive, default=None, help="prompt length (default 512)")
     s.add_argument("--gen-tokens", type=_positive, default=None, help="generated tokens (default 128)")
-    s.add_argument("--peers", action="store_true", help="also time HF transformers FP16 and torch INT4 tinygemm (needs torch)")
+    s.add_argument("--peers", action="store_true",
+                   help="also check and time the peers: torch INT4 tinygemm, transformers FP16 (compiled and eager), "
+                        "dequantize + cuBLAS prefill (needs torch, transformers)")
+    s.add_argument("--llama-cpp", type=Path, default=None,
+                   help="with --peers: the JSON of tools/llama_cpp_bench.py run on this machine, merged as rows")
     s.add_argument("--breakdown", action="store_true",
                    help="also the ITL breakdown: each region of a decode token, eager and graph kernel_gap")
     s.add_argument("--prefill", choices=["tensor-core", "token-by-token"], default="tensor-core",

@@ -328,6 +328,9 @@ class ValidationSpec:
     token_match_min: float
     near_tie_logit_gap: float
     logit_err_max: float
+    peer_prompts: int
+    peer_gen_tokens: int
+    peer_noise_max: float
 
 
 @dataclass(frozen=True)

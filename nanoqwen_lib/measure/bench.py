@@ -139,15 +139,9 @@ def format_report(r: dict) -> str:
     if "itl_breakdown" in r:
         from nanoqwen_lib.measure.breakdown import format_breakdown
         lines.append(format_breakdown(r["itl_breakdown"]))
-    for name in ("hf_fp16", "torch_int4"):
-        if name in r.get("peers", {}):
-            p = r["peers"][name]
-            if "error" in p:
-                lines.append(f"peer {name:<11} could not run: {p['error']}")
-                continue
-            ttft = f", TTFT {p['ttft_ms']:.1f} ms ({p['ttft_ms'] / r['ttft_ms']:.2f}x ours)" if "ttft_ms" in p else ""
-            lines.append(f"peer {name:<11} ITL {p['itl_ms']:.3f} ms  ->  nanoqwen is {p['itl_ms'] / itl['median']:.2f}x faster"
-                         f"{ttft}; first {p.get('same_tokens', '?')} greedy tokens identical to ours")
+    if "peers" in r:
+        from nanoqwen_lib.measure.peers_all import format_peers
+        lines += format_peers(r)
     return "\n".join(lines)
 
 

@@ -8,6 +8,10 @@
 
 Ratios against our ITL measured in the same run are what to read: absolute times drift
 on shared machines, ratios in one run much less. torch is never a runtime dependency.
+
+`nanoqwen bench --peers` now runs measure/peers_all.py (each peer checked by
+measure/peer_check.py before it is timed; torch INT4 in measure/peers_torch.py,
+transformers in measure/peers_hf.py); the two functions below are not used by it.
 """
 from __future__ import annotations
 
@@ -170,29 +174,3 @@ def torch_int4_peer(nq_file, prompt, gen_tokens) -> dict:
             "itl_p90": float(np.percentile(itl, 90)), "tokens": [int(x) for x in torch.cat(out).tolist()][:gen_tokens],
             "how": "torch tinygemm INT4 (_weight_int4pack_mm, group 128, bf16), SDPA over a static "
                    "cache, CUDA graph; prompt fed step by step; ITL median of CUDA events"}
-
-
-def run_peers(nq_file, ours: dict, progress=print) -> dict:
-    """Each peer on our prompt; failures are reported, not hidden."""
-    proto = ours["protocol"]
-    prompt = np.random.default_rng(0).integers(0, 151643, proto["prompt_tokens"]).tolist()
-    out = {}
-    for name, fn in (("torch_int4", lambda: torch_int4_peer(nq_file, prompt, proto["gen_tokens"])),
-                     ("hf_fp16", lambda: hf_fp16_peer(nq_file, prompt, proto["gen_tokens"]))):
-        progress(f"running {name}")
-        try:
-            r = fn()
-            r["itl_ratio_vs_nanoqwen"] = r["itl_ms"] / ours["itl_ms"]["median"]
-            if "tokens" in ours:       # the identical prefix of the two greedy streams
-                pairs = list(zip(r["tokens"], ours["tokens"]))
-                r["same_tokens"] = next((i for i, (x, y) in enumerate(pairs) if x != y), len(pairs))
-            out[name] = r
-        except Exception as e:  # a peer that cannot run here is reported as such
-            out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-        finally:
-            try:
-                import torch
-                torch.cuda.empty_cache()
-            except Exception:
-                pass
-    return out

@@ -147,3 +147,34 @@ def itl_breakdown_bars(b: dict, title: str = ""):
     bars = {f"{mode} ({b[mode]['itl_ms']:.2f} ms)": {**b["regions_ms"], "kernel_gap": max(b[mode]["kernel_gap_ms"], 0.0)}
             for mode in ("eager", "graph")}
     return bytes_bars(bars, title=title, unit=1.0, unit_name="ms per decode token", colors=colors)
+
+
+def scoreboard_bars(rows: list[dict], article: dict, title: str = ""):
+    """ITL and TTFT side by side (log scales) for scoreboard rows (peers_all.scoreboard_rows)
+    and the article's quoted rows. Ours blue, peers that agree orange, rows without a
+    verdict of agreement grey and hatched, quoted rows light grey. Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    def color(x):
+        if x["key"] == "nanoqwen":
+            return "#1f77b4", ""
+        return ("#ff7f0e", "") if x["ratio"] is not None or x["status"].startswith("agrees") else ("#7f7f7f", "//")
+
+    items = [(x["label"], x["itl_ms"], x["ttft_ms"], *color(x)) for x in rows]
+    items += [(name + " (quoted)", a["itl_ms"], a["ttft_ms"], "#cccccc", "") for name, a in article.items()]
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 0.9 + 0.38 * len(items)), sharey=True)
+    for ax, col, xlabel in ((axes[0], 1, "ITL, ms per token (log)"), (axes[1], 2, "TTFT, ms (log)")):
+        for y, it in enumerate(items):
+            if it[col] is not None:
+                ax.barh(y, it[col], color=it[3], hatch=it[4], edgecolor="k" if it[4] else None, linewidth=0.3)
+                ax.text(it[col], y, f" {it[col]:.2f}", va="center", fontsize=8)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.set_xlabel(xlabel)
+        ax.grid(axis="y", visible=False)
+    axes[0].set_yticks(range(len(items)), [it[0] for it in items])
+    axes[0].invert_yaxis()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
