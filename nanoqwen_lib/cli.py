@@ -218,7 +218,7 @@ def cmd_bench(a) -> int:
                       progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True),
                       prefill=a.prefill, breakdown=a.breakdown)
     if a.peers:
-        from nanoqwen_lib.measure.peers_all import run_peers
+        from nanoqwen_lib.measure.peers import run_peers
         r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True),
                                llama_cpp_json=a.llama_cpp)
     print(format_report(r))

@@ -240,7 +240,7 @@ def verdict(agrees, why=""):
 
 
 def test_only_a_peer_that_agrees_gets_a_ratio():
-    from nanoqwen_lib.measure.peers_all import scoreboard_rows, with_ratio
+    from nanoqwen_lib.measure.peers import scoreboard_rows, with_ratio
     ours = {"itl_ms": {"median": 2.0}, "ttft_ms": 40.0}
     good = with_ratio({"itl_ms": 5.0, "ttft_ms": 20.0, "agreement": verdict(True)}, ours)
     bad = with_ratio({"itl_ms": 1.0, "agreement": verdict(False, "3 steps disagree")}, ours)
@@ -266,7 +266,7 @@ def load_tool():
 
 def test_llama_bench_rows_become_ttft_and_itl_and_the_checked_setting_is_the_row(tmp_path):
     import json
-    from nanoqwen_lib.measure.peers_all import llama_cpp_rows
+    from nanoqwen_lib.measure.peers import llama_cpp_rows
     tool = load_tool()
     rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 10240.0, "flash_attn": 0},
             {"n_prompt": 0, "n_gen": 128, "avg_ts": 200.0, "flash_attn": 0},

@@ -364,7 +364,7 @@ def run(a) -> dict | None:
             entry.update(bench=summarize_bench(rows), llama_bench_rows=rows)
             log(f"{kind}: {json.dumps(entry['bench'])}")
         if "check" in steps:
-            # the setting the row reports (the faster one, peers_all.llama_cpp_rows) is the one checked
+            # the setting the row reports (the faster one, peers.llama_cpp_rows) is the one checked
             best = min(entry["bench"], key=lambda k: entry["bench"][k].get("itl_ms", float("inf")))
             try:
                 entry["agreement"] = {best: agreement(q, src, bin_dir, dims, a.cuda, best == "fa1", a.jobs)}

@@ -140,7 +140,7 @@ def format_report(r: dict) -> str:
         from nanoqwen_lib.measure.breakdown import format_breakdown
         lines.append(format_breakdown(r["itl_breakdown"]))
     if "peers" in r:
-        from nanoqwen_lib.measure.peers_all import format_peers
+        from nanoqwen_lib.measure.peers import format_peers
         lines += format_peers(r)
     return "\n".join(lines)
 

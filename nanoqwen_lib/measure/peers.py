@@ -1,176 +1,242 @@
-"""Peers timed in the same process, on the same synthetic weights (needs torch with CUDA).
+"""`nanoqwen bench --peers`: every peer that can run here, each checked before it is timed.
 
-* hf_fp16:    Hugging Face transformers Qwen2ForCausalLM in FP16 (the INT4 weights
-              dequantized), eager `generate`, greedy: the baseline a user gets by default.
-* torch_int4: the same model's decode step written in torch with tinygemm INT4 matmuls
-              (`torch.ops.aten._weight_int4pack_mm`, group 128, bf16 activations, a static
-              KV cache), captured in a CUDA graph: what a careful torch user gets.
+Rows (one JSON entry each, with `how`, `version`, `ttft_ms`, `itl_ms` where it has them,
+and `agreement`: measure.peer_check's verdict, teacher-forced and free-running):
 
-Ratios against our ITL measured in the same run are what to read: absolute times drift
-on shared machines, ratios in one run much less. torch is never a runtime dependency.
+  nanoqwen                  our engine, checked the same way as the peers
+  torch_int4                measure/peers_torch.py
+  hf_fp16_compiled/_eager   measure/peers_hf.py
+  dequant_cublas_prefill    measure/prefill_dequant.py (a prefill line: TTFT only; its math
+                            is the reference's, checked on the CPU in tests/test_peers.py)
+  llama_cpp_Q4_K_M/_Q4_0    read from the JSON of tools/llama_cpp_bench.py (--llama-cpp),
+                            built and measured on the same machine in the same run
 
-`nanoqwen bench --peers` now runs measure/peers_all.py (each peer checked by
-measure/peer_check.py before it is timed; torch INT4 in measure/peers_torch.py,
-transformers in measure/peers_hf.py); the two functions below are not used by it.
+A peer whose check fails keeps its times but gets no ratio: `wrong` says why. A peer that
+cannot run says why in `error` (torch or CUDA missing, a compile failure, ...).
 """
 from __future__ import annotations
 
-import time
+import json
 
 import numpy as np
 
 from nanoqwen_lib.config import load
 
 
-def _dequantized_fp16(nq_file, name, xp):
-    from nanoqwen_lib.format.quant import dequantize_projection
-    t = nq_file.model_tensors()
-    if name.endswith("_proj.weight"):
-        base = name[: -len(".weight")]
-        return dequantize_projection(xp.asarray(t[base + ".qweight"]), xp.asarray(t[base + ".scales"]),
-                                     xp=xp).astype(xp.float16)
-    return xp.asarray(t[name])
+class EnginePeer:
+    """Our engine behind peer_check's protocol (logits stay on the device)."""
+
+    def __init__(self, engine):
+        self.e = engine
+
+    def prefill(self, ids):
+        self.e.prefill(ids)
+        return self.e.logits().copy()
+
+    def step(self, token):
+        self.e.force(token)
+        return self.e.logits().copy()
 
 
-def hf_fp16_peer(nq_file, prompt, gen_tokens, warmup=1) -> dict:
+def bench_prompt(n: int) -> list[int]:
+    """The benchmark's prompt (benchmark_e2e's seed 0)."""
+    return np.random.default_rng(0).integers(0, 151643, n).tolist()
+
+
+def with_ratio(row: dict, ours: dict) -> dict:
+    """Ratios to ours only for a peer that agrees; a wrong one says so instead."""
+    ag = row.get("agreement", {})
+    if "error" in row:
+        return row
+    if not ag.get("agrees"):
+        row["wrong"] = ag.get("why_not") or ag.get("error") or "not checked"
+        return row
+    if row.get("itl_ms"):
+        row["itl_ratio_vs_nanoqwen"] = row["itl_ms"] / ours["itl_ms"]["median"]
+    if row.get("ttft_ms"):
+        row["ttft_ratio_vs_nanoqwen"] = row["ttft_ms"] / ours["ttft_ms"]
+    return row
+
+
+def llama_cpp_rows(path) -> dict:
+    """The rows of tools/llama_cpp_bench.py's JSON: per quantization, flash attention on
+    (the faster of llama-bench's two settings is reported, both are kept)."""
+    d = json.loads(open(path).read())
+    rows = {}
+    for kind, q in d["quants"].items():
+        bench = q["bench"]
+        best = min(bench, key=lambda k: bench[k].get("itl_ms", float("inf")))
+        ag = q.get("agreement", {})
+        verdict = ag.get(best) if isinstance(ag, dict) and best in ag else ag
+        v = d["version"]
+        rows[f"llama_cpp_{kind}"] = {
+            "how": f"llama.cpp {kind} (convert_hf_to_gguf.py f16 -> llama-quantize), llama-bench "
+                   f"pp{d['protocol']['prompt_tokens']}/tg{d['protocol']['gen_tokens']} -ngl {d['protocol']['ngl']}, "
+                   f"{d['protocol']['repetitions']} repetitions, flash attention {best[-1] == '1' and 'on' or 'off'} "
+                   "(the faster); TTFT = prompt tokens / pp t/s, ITL = 1 / tg t/s; checked against our reference "
+                   "on the GGUF's own dequantized weights",
+            "version": f"llama.cpp {v.get('llama_cpp_commit')}"
+                       + (f" (build {v['build_number']}, {v.get('build_commit')})" if v.get("build_number") else "")
+                       + f", built from llama-cpp-python {v.get('llama_cpp_python')}'s source",
+            "protocol": d["protocol"], "model": d.get("model"),
+            "ttft_ms": bench[best].get("ttft_ms"), "itl_ms": bench[best].get("itl_ms"),
+            "bench": bench, "agreement": verdict or {"error": "no agreement in the JSON"}}
+    return rows
+
+
+def run_peers(nq_file, ours: dict, progress=print, llama_cpp_json=None) -> dict:
+    """Each peer on our prompt, checked against the reference; failures are reported."""
     import cupy as cp
-    import torch
-    import transformers
-    from nanoqwen_lib.format.layout import hf_tensors
-    from nanoqwen_lib.model.oracle import qwen2_config
+
+    from nanoqwen_lib.measure.peer_check import check_peer, summary
+    from nanoqwen_lib.measure.validate import validation_prompts
+    from nanoqwen_lib.model.reference import ReferenceModel
+    proto, v = ours["protocol"], load().validation
     dims = nq_file.dims
-    cfg = qwen2_config(dims, nq_file.hf_config)   # the checkpoint's own config.json
-    cfg.torch_dtype = torch.float16
-    with torch.device("meta"):
-        model = transformers.Qwen2ForCausalLM(cfg)
-    state = {n: torch.from_dlpack(_dequantized_fp16(nq_file, n, cp)) for n in hf_tensors(dims)}
-    model.load_state_dict(state, assign=True, strict=False)
-    if dims.tie_embeddings:
-        model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(cfg, device="cuda")
-    model = model.to("cuda", torch.float16).eval()
-    ids = torch.tensor([prompt], device="cuda")
+    prompt = bench_prompt(proto["prompt_tokens"])
+    prompts = validation_prompts(v.peer_prompts)
+    progress("the reference model on the GPU (for the checks)")
+    reference = ReferenceModel(dims, nq_file.model_tensors(), xp=cp)
 
-    def run(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones_like(ids), pad_token_id=0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+    def check(peer):
+        r = check_peer(peer, reference, dims, prompts, v.peer_gen_tokens, cp)
+        progress(summary(r))
+        return r
 
-    with torch.inference_mode():
-        for _ in range(warmup):
-            run(4)
-        t1, _ = run(1)                       # prefill + one token
-        tn, toks = run(gen_tokens)
-    del model, state
-    torch.cuda.empty_cache()
-    return {"ttft_ms": 1e3 * t1, "itl_ms": 1e3 * (tn - t1) / (gen_tokens - 1), "tokens": toks,
-            "how": "transformers generate, FP16, eager, greedy; ITL = (t(n) - t(1)) / (n - 1), wall clock"}
+    def engine_row():
+        from nanoqwen_lib.gpu.engine import gpu_backend
+        e = gpu_backend(nq_file, max_tokens=max(map(len, prompts)) + v.peer_gen_tokens + 16)
+        return {"how": "nanoqwen (the run above)", "agreement": check(EnginePeer(e))}
+
+    def torch_row():
+        from nanoqwen_lib.measure.peers_torch import torch_int4_peer
+        return torch_int4_peer(nq_file, prompt, proto["gen_tokens"], max(1, proto["warmup"]), check)
+
+    def hf_rows():
+        from nanoqwen_lib.measure.peers_hf import hf_rows as rows
+        return rows(nq_file, prompt, proto["gen_tokens"], warmup=1, runs=3, check=check,
+                    ours_tokens=ours.get("tokens"))
+
+    def dequant_row():
+        from nanoqwen_lib.measure.prefill_dequant import time_prefill_dequant
+        return {**time_prefill_dequant(nq_file, prompt),
+                "agreement": {"agrees": True, "why_not": "", "note": "the reference's own arithmetic with FP16 GEMMs; "
+                              "checked against the reference on the CPU (tests/test_peers.py)"}}
+
+    out = {}
+    for name, fn in (("nanoqwen", engine_row), ("torch_int4", torch_row), ("hf_fp16", hf_rows),
+                     ("dequant_cublas_prefill", dequant_row)):
+        progress(f"running {name}")
+        try:
+            r = fn()
+            out.update(r if name == "hf_fp16" else {name: r})
+        except Exception as e:  # a peer that cannot run here is reported as such
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:800]}
+        finally:
+            cp.get_default_memory_pool().free_all_blocks()
+            try:
+                import torch
+                torch.cuda.empty_cache()
+            except Exception:
+                pass
+    if llama_cpp_json:
+        try:
+            rows = llama_cpp_rows(llama_cpp_json)
+            for row in rows.values():             # the same request, or no ratio
+                p, m = row["protocol"], load().model(row["model"])
+                if (p["prompt_tokens"], p["gen_tokens"], m.num_layers, m.hidden) != (
+                        proto["prompt_tokens"], proto["gen_tokens"], dims.num_layers, dims.hidden):
+                    row["agreement"] = {"agrees": False, "why_not": f"{row['model']} at pp{p['prompt_tokens']}/"
+                                        f"tg{p['gen_tokens']}, not this run's model and request",
+                                        **{k: v for k, v in row["agreement"].items() if k not in ("agrees", "why_not")}}
+            out.update(rows)
+        except Exception as e:
+            out["llama_cpp"] = {"error": f"{llama_cpp_json}: {type(e).__name__}: {e}"[:500]}
+    else:
+        out["llama_cpp"] = {"error": "not run: pass --llama-cpp <the JSON of tools/llama_cpp_bench.py run --cuda>"}
+    for name in out:
+        if name != "nanoqwen":
+            with_ratio(out[name], ours)
+    return out
 
 
-def _int4pack(nq_file, name, torch, inner_k_tiles=8):
-    """Our ValueShuffle INT4 -> tinygemm's packed int4 + scales_and_zeros (code + 8, zero 0)."""
-    import cupy as cp
-    from nanoqwen_lib.format.quant import unpack_int4_value_shuffle
-    t = nq_file.model_tensors()
-    base = name[: -len(".weight")]
-    codes = unpack_int4_value_shuffle(cp.asarray(t[base + ".qweight"]), cp).astype(cp.int32) + 8       # [N, K] 0..15
-    u8 = torch.from_dlpack(((codes[:, ::2] << 4) | codes[:, 1::2]).astype(cp.uint8))
-    packed = torch.ops.aten._convert_weight_to_int4pack(u8, inner_k_tiles)
-    scales = torch.from_dlpack(cp.asarray(t[base + ".scales"]).astype(cp.float32))      # [N, K/g]
-    sz = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1).to(torch.bfloat16).contiguous()
-    return packed, sz
+def format_peers(r: dict) -> list[str]:
+    """Console lines for bench's report: each peer's times, its check, its ratio or why none."""
+    lines = []
+    for name, p in r.get("peers", {}).items():
+        if "error" in p:
+            lines.append(f"peer {name:<24} could not run: {p['error']}")
+            continue
+        ttft = f"TTFT {p['ttft_ms']:.2f} ms" if p.get("ttft_ms") else "TTFT -"
+        itl = f"ITL {p['itl_ms']:.3f} ms" if p.get("itl_ms") else "ITL -"
+        ag = p.get("agreement", {})
+        agree = (f"teacher-forced {ag['identical']}/{ag['steps']} (+{ag['near_tie_mismatches']} near-ties), "
+                 f"free-running {ag['free_running']['identical_prefix_tokens']}/{ag['free_running']['tokens']}"
+                 if "steps" in ag else ag.get("note", ag.get("error", "")))
+        if "wrong" in p:
+            verdict = f"WRONG ({p['wrong']}): no ratio"
+        elif "itl_ratio_vs_nanoqwen" in p:
+            verdict = f"nanoqwen {p['itl_ratio_vs_nanoqwen']:.2f}x faster per token"
+        elif "ttft_ratio_vs_nanoqwen" in p:
+            verdict = f"TTFT {p['ttft_ratio_vs_nanoqwen']:.2f}x ours"
+        else:
+            verdict = ""
+        lines.append(f"peer {name:<24} {ttft}, {itl}; {agree}; {verdict}")
+    return lines
 
 
-def torch_int4_peer(nq_file, prompt, gen_tokens) -> dict:
-    import torch
-    import torch.nn.functional as F
-    dims = nq_file.dims
-    g = load().format.group_size
-    t = nq_file.model_tensors()
-    dev, bf = "cuda", torch.bfloat16
-    T = lambda name: torch.from_numpy(np.asarray(t[name])).to(dev, bf)  # noqa: E731
-    layers = []
-    for l in range(dims.num_layers):
-        p = f"model.layers.{l}."
-        L = {k: _int4pack(nq_file, p + k + ".weight", torch) for k in
-             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-        L["bias"] = [T(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
-        L["ln1"], L["ln2"] = T(p + "input_layernorm.weight"), T(p + "post_attention_layernorm.weight")
-        layers.append(L)
-    embed = T("model.embed_tokens.weight")
-    head = embed if dims.tie_embeddings else T("lm_head.weight")
-    norm = T("model.norm.weight")
-    max_len = len(prompt) + gen_tokens + 1
-    kc = torch.zeros(dims.num_layers, dims.num_kv_heads, max_len, dims.head_dim, device=dev, dtype=bf)
-    vc = torch.zeros_like(kc)
-    inv = 1.0 / (dims.rope_theta ** (torch.arange(0, dims.head_dim, 2, device=dev, dtype=torch.float32) / dims.head_dim))
-    pos = torch.zeros(1, dtype=torch.long, device=dev)
-    tok = torch.zeros(1, dtype=torch.long, device=dev)
-    ar = torch.arange(max_len, device=dev)
+# ---------------------------------------------------------------- the scoreboard (chapter 10)
+ROWS = (("llama_cpp_Q4_K_M", "llama.cpp Q4_K_M"), ("llama_cpp_Q4_0", "llama.cpp Q4_0"),
+        ("torch_int4", "torch INT4 tinygemm"), ("hf_fp16_compiled", "transformers FP16, static + compiled"),
+        ("hf_fp16_eager", "transformers FP16, eager"), ("dequant_cublas_prefill", "dequantize + cuBLAS prefill"))
 
-    def mm(x, w):
-        return torch.ops.aten._weight_int4pack_mm(x, w[0], g, w[1])
 
-    def rms(x, w):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + dims.rms_eps)).to(bf) * w
+def peer_status(p: dict | None) -> str:
+    """What a row's check says, in a few words."""
+    if p is None:
+        return "not in this JSON"
+    if "error" in p:
+        return "could not run: " + p["error"]
+    ag = p.get("agreement")
+    if not ag:
+        return "not checked (no agreement in this JSON): no ratio"
+    if "wrong" in p or not ag.get("agrees"):
+        return "WRONG: " + (p.get("wrong") or ag.get("why_not") or ag.get("error", "")) + ": no ratio"
+    if "steps" in ag:
+        return (f"agrees: {ag['identical']}/{ag['steps']} teacher-forced (+{ag['near_tie_mismatches']} near-ties, "
+                f"noise {ag['noise_logits']:.2g}), free-running {ag['free_running']['identical_prefix_tokens']}"
+                f"/{ag['free_running']['tokens']}")
+    return "agrees: " + ag.get("note", "")
 
-    def rope(x):                                             # x [heads, d]
-        ang = pos.float() * inv
-        cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
-        x1, x2 = x[..., : dims.head_dim // 2], x[..., dims.head_dim // 2:]
-        return (x.float() * cos + torch.cat([-x2, x1], -1).float() * sin).to(bf)
 
-    def step():
-        x = embed[tok]                                       # [1, hidden]
-        for l, L in enumerate(layers):
-            y = rms(x, L["ln1"])
-            q = (mm(y, L["self_attn.q_proj"]) + L["bias"][0]).view(dims.num_heads, dims.head_dim)
-            k = (mm(y, L["self_attn.k_proj"]) + L["bias"][1]).view(dims.num_kv_heads, dims.head_dim)
-            v = (mm(y, L["self_attn.v_proj"]) + L["bias"][2]).view(dims.num_kv_heads, dims.head_dim)
-            q, k = rope(q), rope(k)
-            kc[l].index_copy_(1, pos, k[:, None])
-            vc[l].index_copy_(1, pos, v[:, None])
-            mask = (ar <= pos)[None, None, :]
-            o = F.scaled_dot_product_attention(q[:, None], kc[l].repeat_interleave(dims.gqa_ratio, 0),
-                                               vc[l].repeat_interleave(dims.gqa_ratio, 0), attn_mask=mask)
-            x = x + mm(o.reshape(1, -1), L["self_attn.o_proj"])
-            y = rms(x, L["ln2"])
-            act = F.silu(mm(y, L["mlp.gate_proj"])) * mm(y, L["mlp.up_proj"])
-            x = x + mm(act, L["mlp.down_proj"])
-        logits = rms(x, norm) @ head.t()
-        tok.copy_(logits.float().argmax(-1))
-        pos.add_(1)
+def scoreboard_rows(r: dict) -> list[dict]:
+    """bench's JSON -> rows: ours first, then ROWS, then any other peer the JSON holds.
+    Each row: label, itl_ms, ttft_ms (None where the row has none or it is absent),
+    status, and the ratio of the peer's ITL to ours (only for a peer that agrees)."""
+    peers = r.get("peers", {})
+    rows = [{"key": "nanoqwen", "label": "nanoqwen (ours)", "itl_ms": r["itl_ms"]["median"], "ttft_ms": r["ttft_ms"],
+             "status": peer_status(peers["nanoqwen"]) if "nanoqwen" in peers else "not checked in this JSON",
+             "ratio": 1.0}]
+    keys = [k for k, _ in ROWS] + [k for k in peers if k not in dict(ROWS) and k not in ("nanoqwen", "llama_cpp")]
+    for key in keys:
+        p = peers.get(key)
+        ok = p is not None and "error" not in p and p.get("agreement", {}).get("agrees") and "wrong" not in p
+        itl = (p or {}).get("itl_ms")
+        rows.append({"key": key, "label": dict(ROWS).get(key, key), "itl_ms": itl, "ttft_ms": (p or {}).get("ttft_ms"),
+                     "status": peer_status(p), "ratio": itl / r["itl_ms"]["median"] if ok and itl else None})
+    if "llama_cpp" in peers:
+        rows.append({"key": "llama_cpp", "label": "llama.cpp", "itl_ms": None, "ttft_ms": None,
+                     "status": peer_status(peers["llama_cpp"]), "ratio": None})
+    return rows
 
-    with torch.inference_mode():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                step()                                       # warm-up (allocations, kernels)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        pos.zero_()                                          # the warm-up steps advanced it
-        for tk in prompt:                                    # the prompt, one step at a time
-            tok.fill_(tk)
-            graph.replay()
-        torch.cuda.synchronize()
-        evs = [torch.cuda.Event(enable_timing=True) for _ in range(gen_tokens + 1)]
-        out = [tok.clone()]                                  # the first token (after the prompt)
-        evs[0].record()
-        for i in range(gen_tokens):
-            graph.replay()
-            evs[i + 1].record()
-            out.append(tok.clone())
-        torch.cuda.synchronize()
-    itl = [evs[i].elapsed_time(evs[i + 1]) for i in range(gen_tokens)]
-    return {"itl_ms": float(np.median(itl)), "itl_p10": float(np.percentile(itl, 10)),
-            "itl_p90": float(np.percentile(itl, 90)), "tokens": [int(x) for x in torch.cat(out).tolist()][:gen_tokens],
-            "how": "torch tinygemm INT4 (_weight_int4pack_mm, group 128, bf16), SDPA over a static "
-                   "cache, CUDA graph; prompt fed step by step; ITL median of CUDA events"}
+
+def format_scoreboard(rows: list[dict], article: dict) -> str:
+    """The table: measured rows, then the article's, quoted with their source."""
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"{'':<38}{'ITL ms':>8}{'TTFT ms':>9}{'ITL/ours':>10}  check"]
+    for x in rows:
+        lines.append(f"{x['label']:<38}{f(x['itl_ms'], '.3f'):>8}{f(x['ttft_ms'], '.1f'):>9}"
+                     f"{f(x['ratio'], '.2f'):>10}  {x['status']}")
+    for name, a in article.items():
+        lines.append(f"{name:<38}{a['itl_ms']:>8.2f}{a['ttft_ms']:>9.0f}{'-':>10}  quoted: {a['source']}")
+    return "\n".join(lines)

@@ -41,7 +41,7 @@ def hf_fp16_model(nq_file, device, xp=np):
             w = xp.asarray(t[name])
         w = w.astype(xp.float16)
         state[name] = torch.from_dlpack(w) if xp is not np else torch.from_numpy(np.ascontiguousarray(w))
-    model = hf_model(nq_file.dims, state)               # parameters keep state's dtype (assign)
+    model = hf_model(nq_file.dims, state, nq_file.hf_config)   # the file's own config.json; state's dtype
     model = model.to(device)                            # no dtype change: inv_freq stays FP32
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("sdpa")

@@ -150,7 +150,7 @@ def itl_breakdown_bars(b: dict, title: str = ""):
 
 
 def scoreboard_bars(rows: list[dict], article: dict, title: str = ""):
-    """ITL and TTFT side by side (log scales) for scoreboard rows (peers_all.scoreboard_rows)
+    """ITL and TTFT side by side (log scales) for scoreboard rows (peers.scoreboard_rows)
     and the article's quoted rows. Ours blue, peers that agree orange, rows without a
     verdict of agreement grey and hatched, quoted rows light grey. Returns the Figure."""
     import matplotlib.pyplot as plt
