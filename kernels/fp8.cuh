@@ -7,6 +7,7 @@
 #ifndef NQ_FP8_MAX
 #error "NQ_FP8_MAX comes from nanoqwen.yaml (format.fp8_max) via nanoqwen_lib.config.cuda_defines"
 #endif
+static_assert(NQ_FP8_LAYOUT_ID == 2, "these kernels read layout 2 (FP8 E4M3 codes, one FP32 scale per row)");
 static_assert(NQ_FP8_MAX == 448, "E4M3 (e4m3fn): largest finite value 448");
 
 namespace nqfp8 {

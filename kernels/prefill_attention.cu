@@ -28,7 +28,7 @@
 // What it degrades to: queries beyond T are computed and not stored; keys beyond the context
 // are zero-filled (never read from the cache: a page's unused rows may hold anything) and
 // masked to -inf.
-#include "common.cuh"
+#include "hopper.cuh"   // common.cuh, smem_u32, the mma.sync wrapper
 
 #ifndef NQ_HEAD_DIM
 #error "prefill_attention.cu needs the model dims (cuda_defines(dims))"
@@ -58,7 +58,7 @@ struct Shared {
   half v[2][TILE];           // V tiles, same
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+using hopper::smem_u32;
 // Halves offset of chunk c of row r (swizzled).
 __device__ __forceinline__ int swz(int r, int c) { return r * D + ((c ^ (r & 7)) << 3); }
 
@@ -78,12 +78,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using hopper::mma_16816;   // D += A.B, m16n8k16, fp16 in, fp32 accumulate (hopper.cuh)
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   const half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);

@@ -52,18 +52,19 @@
 // cp.async (src-size 0) and never stored; odd N stores element by element. The scale word
 // of an odd-sized scales tensor's last element reaches 2 bytes past its end (inside the
 // 128-byte-aligned allocation; the value is not used).
-#include "common.cuh"
+#include "hopper.cuh"   // common.cuh, smem_u32, the mma.sync wrapper
 
-#ifndef NQ_PG_BM
-#define NQ_PG_BM 128        // tokens per CTA tile: 128 (large grids) or 64 (small N)
+#ifndef NQ_PG_BM   // tokens per CTA tile: 128 (large grids) or 64 (small N)
+#error "NQ_PG_BM: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
-#ifndef NQ_PG_STAGES
-#define NQ_PG_STAGES 4      // shared-memory ring depth
+#ifndef NQ_PG_STAGES   // shared-memory ring depth
+#error "NQ_PG_STAGES: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
-#ifndef NQ_PG_WARPS_M
-#define NQ_PG_WARPS_M 2     // warps along the tokens (the other 8 / WARPS_M along the features)
+#ifndef NQ_PG_WARPS_M   // warps along the tokens (the other 8 / WARPS_M along the features)
+#error "NQ_PG_WARPS_M: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 
+static_assert(NQ_LAYOUT_ID == 1, "this kernel reads layout 1 (INT4, ValueShuffle)");
 static_assert(NQ_GROUP_SIZE == 128, "a k-tile of 64 lies inside one scale group");
 static_assert(NQ_PG_BM == 64 || NQ_PG_BM == 128, "BM is 64 or 128 tokens");
 static_assert(NQ_PG_STAGES >= 2 && NQ_PG_STAGES <= 6, "2..6 stages");
@@ -107,7 +108,7 @@ static_assert(STAGE_BYTES % 16 == 0 && U_BYTES % 16 == 0, "16-byte aligned stage
 static_assert(X_CHUNKS % THREADS == 0, "every thread copies the same number of X chunks");
 
 // ---- PTX wrappers -------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+using hopper::smem_u32;
 
 // 16 bytes global -> shared, zero-filled when !valid (src-size 0: nothing is read).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
@@ -140,13 +141,7 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// D += A.B, m16n8k16, fp16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using hopper::mma_16816;   // D += A.B, m16n8k16, fp16 in, fp32 accumulate (hopper.cuh)
 
 // ---- dequantization -----------------------------------------------------------------------
 // One ValueShuffle word (w0..w7 of 8 consecutive k) -> fp16x2 pairs (w0,w1) (w2,w3) (w4,w5)

@@ -6,7 +6,7 @@
   physical pages of a NaN-poisoned pool, output and split workspace poisoned before the
   launch, every element checked; contexts 1 .. 8300 on the 7B heads (28/4, d 128) and on
   head_dim 64 (14/2), several grid sizes (the ring wraps many times with max_splits = 1).
-* NQ_ATTN_BUGGY_SYNC=1: right without a tail page (48), wrong on the tail page (49), run in
+* kernels/lab/paged_attention_buggy.cu: right without a tail page (48), wrong on the tail page (49), run in
   a subprocess with a timeout in case it hangs; compute-sanitizer flags it and finds the
   fixed kernel clean (memcheck, racecheck, synccheck) when it is on PATH. Seen on an H200:
   wrong in every run with 64 splits, in none with 1 split (the race hides); no hang;

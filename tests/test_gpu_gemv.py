@@ -33,6 +33,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen_lib.gpu import ops_gemv  # noqa: E402
+from nanoqwen_lib.gpu.lab import gemv as lab_gemv
 from .gpu_cases import SHAPES_7B, TINY16, U16, rand_int4
 
 ODD = [(n, k) for n in (1, 7, 130, 1000) for k in (128, 384, 1152)]
@@ -92,6 +93,9 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
     res = rng.standard_normal(n).astype(np.float16) if residual else None
     out = poisoned(n)
     extra = 0.0
+    # The engine's launcher (ops_gemv) for its own kernel; the lab's for the other versions.
+    lab_kw = {} if impl in (None, "tiles") and ctas is None else {"impl": impl, "ctas": ctas}
+    launch = lab_gemv if lab_kw else ops_gemv
     if launcher == "swiglu":
         gu = (rng.standard_normal(2 * k) * 2).astype(np.float16)
         g32, u32 = gu[:k].astype(np.float32), gu[k:].astype(np.float32)
@@ -102,16 +106,15 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
         alt = np.maximum(np.abs((a32 * np.float32(1 - 2**-20)).astype(np.float16).astype(np.float64) - act),
                          np.abs((a32 * np.float32(1 + 2**-20)).astype(np.float16).astype(np.float64) - act))
         x64 = act.astype(np.float64)
-        ops_gemv.gemv_int4_swiglu(dev(gu), dev(words), dev(scales), out,
-                                  residual=None if res is None else dev(res), bias=None if b is None else dev(b),
-                                  ksplit=ksplit, tuning=tuning, impl=impl, ctas=ctas)
+        launch.gemv_int4_swiglu(dev(gu), dev(words), dev(scales), out,
+                                residual=None if res is None else dev(res), bias=None if b is None else dev(b),
+                                ksplit=ksplit, tuning=tuning, **lab_kw)
         extra = ref_matvec(words, scales, alt)[1] if alt.any() else 0.0
     else:
         x = rng.standard_normal(k).astype(np.float16)
         x64 = x.astype(np.float64)
-        ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), out, bias=None if b is None else dev(b),
-                           residual=None if res is None else dev(res), ksplit=ksplit, tuning=tuning,
-                           impl=impl, ctas=ctas)
+        launch.gemv_int4(dev(x), dev(words), dev(scales), out, bias=None if b is None else dev(b),
+                         residual=None if res is None else dev(res), ksplit=ksplit, tuning=tuning, **lab_kw)
     dot, absdot = ref_matvec(words, scales, x64)
     if (tuning or {}).get("NQ_GEMV_FOLD"):
         extra = extra + FOLD_ACC * fold_magnitude(scales, x64)
@@ -148,7 +151,7 @@ def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
                                          ("tiles", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_WARPS": 8}), ("tiles", {"NQ_GEMV_WARPS": 2}),
                                          ("tiles", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_BRANCHLESS": 0}),
+                                         ("v1", {}),
                                          ("stream", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}),
                                          ("stream", {"NQ_GEMV_STREAM_RING": 8}),
                                          ("tiles", {"NQ_GEMV_FOLD": 1}),
@@ -156,7 +159,7 @@ def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
                                          ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_BRANCHLESS": 0}),
+                                         ("v1", {"NQ_GEMV_FOLD": 1}),
                                          ("stream", {"NQ_GEMV_FOLD": 1}),
                                          ("stream", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_STREAM_WARPS": 8,
                                                      "NQ_GEMV_STREAM_RING": 8}),
@@ -179,7 +182,7 @@ def test_gemv_int4_residual_in_place(rng, impl, ksplit):
     x = rng.standard_normal(k).astype(np.float16)
     res = rng.standard_normal(n).astype(np.float16)
     io = dev(res)
-    ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), io, residual=io, ksplit=ksplit, impl=impl)
+    lab_gemv.gemv_int4(dev(x), dev(words), dev(scales), io, residual=io, ksplit=ksplit, impl=impl)
     dot, absdot = ref_matvec(words, scales, x.astype(np.float64))
     check_close("in-place residual", io.get(), dot + res.astype(np.float64), absdot, 2.0 ** -18)
 
@@ -237,12 +240,12 @@ def test_gemv_int4_dp4a(rng, n, k, impl):
     x[-100] = np.float16(60000)                          # one large value in a group
     b, res = rng.standard_normal(n).astype(np.float16), rng.standard_normal(n).astype(np.float16)
     xq, xs = cp.zeros(k, cp.int8), cp.full(k // 128, np.nan, cp.float32)
-    ops_gemv.quantize_act_int8(dev(x), xq, xs)
+    lab_gemv.quantize_act_int8(dev(x), xq, xs)
     q_ref, s_ref = ref_quantize(x)
     np.testing.assert_array_equal(xs.get(), s_ref)
     np.testing.assert_array_equal(xq.get().reshape(-1, 8), q_ref.reshape(-1, 8)[:, DP4A_ORDER])
     out = poisoned(n)
-    ops_gemv.gemv_int4_dp4a(xq, xs, dev(words), dev(scales), out, bias=dev(b), residual=dev(res), impl=impl)
+    lab_gemv.gemv_int4_dp4a(xq, xs, dev(words), dev(scales), out, bias=dev(b), residual=dev(res), impl=impl)
     xdq = (q_ref.astype(np.float64).reshape(-1, 128) * s_ref.astype(np.float64)[:, None]).reshape(-1)
     dot, absdot = ref_matvec(words, scales, xdq)        # its own exact reference: int8 activations
     ref = res.astype(np.float64) + (dot + b.astype(np.float64))

@@ -23,14 +23,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def configs(module: str) -> list[dict]:
-    """The -D sets the 7B engine builds a module with: the defaults, and for the INT4 GEMV
-    every tuned-table entry and the fallback."""
-    if module != "gemv_int4":
-        return [{}]
-    from nanoqwen_lib.gpu import ops_gemv
-    out = [dict(ops_gemv.GEMV_TUNING), {**ops_gemv.GEMV_TUNING, **ops_gemv.GEMV_FALLBACK}]
-    for tuning, _ in ops_gemv.tuned_table().values():
-        out.append({**ops_gemv.GEMV_TUNING, **tuning})
+    """The -D sets the 7B engine builds a module with, spelled out in full (this tree's
+    nanoqwen.yaml `tuning:`, so that a REV whose kernels held #ifndef defaults builds the same
+    configuration): every module's knobs at their defaults, and for the INT4 GEMV every
+    tuned-table entry and the fallback; the prefill GEMM at both tile heights it launches."""
+    from nanoqwen_lib import config
+    base = config.tuning_defines()
+    tuning = config.load().tuning
+    if module == "gemv_int4":
+        g = tuning["gemv_int4"]
+        out = [base, {**base, **g.fallback}] + [{**base, **s.defines} for s in g.shapes]
+    elif module == "prefill_gemm":
+        from nanoqwen_lib.gpu import ops_prefill
+        out = [{**base, "NQ_PG_BM": bm} for bm in ops_prefill.GEMM_BM_CHOICES]
+    else:
+        out = [base]
     return [dict(t) for t in {tuple(sorted(c.items())) for c in out}]
 
 
@@ -61,7 +68,9 @@ def main() -> int:
     changed = subprocess.run(["git", "diff", "--name-only", rev, "--", "kernels"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.split()
     headers = {Path(p).name for p in changed if p.endswith(".cuh")}
-    modules = sorted({Path(p).stem for p in changed if p.endswith(".cu")}
+    # the engine's kernel files only (kernels/*.cu; the lab's kernels/lab/ is not run by an engine)
+    modules = sorted({Path(p).stem for p in changed if p.endswith(".cu") and Path(p).parent.name == "kernels"
+                      and (ROOT / p).exists()}
                      | {f.stem for f in (ROOT / "kernels").glob("*.cu")
                         if any(f'"{h}"' in f.read_text() for h in headers)})
     if not modules:

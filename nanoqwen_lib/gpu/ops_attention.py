@@ -75,14 +75,15 @@ class AttentionWorkspace:
 
 class AttentionKernels:
     """The compiled modules for one model's dims, and its RoPE inv_freq table (made once);
-    `buggy_sync` builds kernels/paged_attention.cu with NQ_ATTN_BUGGY_SYNC=1."""
+    `buggy_sync` takes the split kernel from the lab (kernels/lab/paged_attention_buggy.cu:
+    the original tail-page hand-off, a deliberate bug; book chapter 6, tools/sanitize_attention.py)."""
 
     def __init__(self, dims: ModelDims, buggy_sync: bool = False):
         import cupy as cp
         self.dims = dims
-        extra = {"NQ_ATTN_BUGGY_SYNC": 1} if buggy_sync else None
-        attn = cuda_build.load_module("paged_attention", dims, extra)
-        self._split = attn.get_function("paged_attention_split")
+        attn = cuda_build.load_module("paged_attention", dims)
+        self._split = (cuda_build.load_module("lab/paged_attention_buggy", dims).get_function("paged_attention_split_buggy")
+                       if buggy_sync else attn.get_function("paged_attention_split"))
         self._combine = attn.get_function("paged_attention_combine")
         self._rope = cuda_build.load_module("rope_append", dims).get_function("rope_append_kv")
         self.inv_freq = cp.asarray(rope_inv_freq(dims.head_dim, dims.rope_theta))   # [d/2]
