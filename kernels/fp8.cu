@@ -13,12 +13,30 @@
 // v0, correctness first: plain 16-byte loads, one shared-memory stage; PERFLOG.md says
 // what is measured. Requires sm_89 or newer (E4M3 cvt and MMA); this build targets sm_90.
 #include "fp8.cuh"
+#ifndef NQ_FP8_GEMV_THREADS
+#error "NQ_FP8_GEMV_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_QUANT_THREADS
+#error "NQ_FP8_QUANT_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_GEMM_BM
+#error "NQ_FP8_GEMM_BM: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_GEMM_BN
+#error "NQ_FP8_GEMM_BN: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_GEMM_BK
+#error "NQ_FP8_GEMM_BK: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_GEMM_THREADS
+#error "NQ_FP8_GEMM_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
 
 namespace nqfp8 {
-constexpr int kGemvThreads = 256;       // 8 warps, one output row per warp at a time
-constexpr int kQuantThreads = 256;
-constexpr int kBM = 64, kBN = 64, kBK = 64;   // GEMM tile: tokens x features x k
-constexpr int kGemmThreads = 128;       // 4 warps as 2 (tokens) x 2 (features), 32 x 32 each
+constexpr int kGemvThreads = NQ_FP8_GEMV_THREADS;       // 8 warps, one output row per warp at a time
+constexpr int kQuantThreads = NQ_FP8_QUANT_THREADS;
+constexpr int kBM = NQ_FP8_GEMM_BM, kBN = NQ_FP8_GEMM_BN, kBK = NQ_FP8_GEMM_BK;   // GEMM tile: tokens x features x k
+constexpr int kGemmThreads = NQ_FP8_GEMM_THREADS;       // 4 warps as 2 (tokens) x 2 (features), 32 x 32 each
 constexpr int kStride = kBK + 16;       // shared row stride in bytes (16-byte aligned, fewer bank conflicts)
 
 // Two E4M3 (low byte = first) -> two fp16 in one register (low half = first).

@@ -50,12 +50,18 @@ using namespace hopper;
 #ifndef NQ_HEAD_DIM
 #error "paged_attention.cu needs the model dims (cuda_defines(dims))"
 #endif
+#ifndef NQ_ATTN_CONSUMER_WARPS
+#error "NQ_ATTN_CONSUMER_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_ATTN_MAX_SPLITS_COMBINE
+#error "NQ_ATTN_MAX_SPLITS_COMBINE: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
 
 constexpr int HEAD_DIM = NQ_HEAD_DIM;
 constexpr int GQA = NQ_NUM_HEADS / NQ_NUM_KV_HEADS;   // query heads per KV head (7)
 constexpr int GQA_SLOTS = 8;                          // padded to 8 for the lane transpose
 constexpr int STAGES = NQ_ATTN_STAGES;
-constexpr int CONSUMER_WARPS = 4;
+constexpr int CONSUMER_WARPS = NQ_ATTN_CONSUMER_WARPS;
 constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
 constexpr int THREADS = 32 + CONSUMER_THREADS;
 constexpr int TOKENS_PER_WARP = NQ_PAGE_TOKENS / CONSUMER_WARPS;
@@ -329,7 +335,7 @@ paged_attention_split(const half* __restrict__ q,             // [num_heads * d]
 // the threads stage m_s and 2^(m_s - M) in shared memory in parallel, and each thread's
 // accumulator loads are independent (unrolled) so several are in flight.
 constexpr int COMBINE_WARPS = HEAD_DIM / 32;
-constexpr int MAX_SPLITS_COMBINE = 1024;              // ops_attention.AttentionWorkspace checks
+constexpr int MAX_SPLITS_COMBINE = NQ_ATTN_MAX_SPLITS_COMBINE;   // ops_attention.AttentionWorkspace checks
 
 // Reduce v over the block (max or sum); every thread gets the result. `red` is this
 // reduction's own buffer, so two reductions need no barrier between them.

@@ -34,13 +34,23 @@
 #error "prefill_attention.cu needs the model dims (cuda_defines(dims))"
 #endif
 
+#ifndef NQ_PA_BQ
+#error "NQ_PA_BQ: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PA_WARPS
+#error "NQ_PA_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PA_ROPE_THREADS
+#error "NQ_PA_ROPE_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+
 namespace pa {
 
 constexpr int D = NQ_HEAD_DIM;
 constexpr int HALF_D = D / 2;
-constexpr int BQ = 64;                         // queries per CTA
+constexpr int BQ = NQ_PA_BQ;                   // queries per CTA
 constexpr int BKV = 64;                        // keys per tile
-constexpr int WARPS = 4;                       // 16 query rows each
+constexpr int WARPS = NQ_PA_WARPS;             // 16 query rows each
 constexpr int THREADS = 32 * WARPS;
 constexpr int CHUNKS = D / 8;                  // 16-byte chunks per row
 constexpr int TILE = BKV * D;                  // halves in one K (or V) tile
@@ -285,7 +295,7 @@ nq_prefill_attention(const half* __restrict__ q, const half* __restrict__ k_pool
 // once into shared memory; then thread i rotates pairs i, i + 256, ... of the (heads +
 // kv_heads) x d/2 pairs (q heads first, then k heads: q to q_out, k to its page slot) and
 // copies v's 16-byte chunks to its page slot.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(NQ_PA_ROPE_THREADS)
 nq_prefill_rope_write_kv(const half* __restrict__ qkv,         // [T, (heads + 2 kv_heads) * d]
                          const float* __restrict__ inv_freq,   // [d/2]
                          const int32_t* __restrict__ block_table,

@@ -70,20 +70,36 @@ static_assert(NQ_PG_BM == 64 || NQ_PG_BM == 128, "BM is 64 or 128 tokens");
 static_assert(NQ_PG_STAGES >= 2 && NQ_PG_STAGES <= 6, "2..6 stages");
 static_assert(NQ_PG_WARPS_M == 2 || NQ_PG_WARPS_M == 4, "8 warps as 2 x 4 or 4 x 2");
 
+#ifndef NQ_PG_BN
+#error "NQ_PG_BN: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_BK
+#error "NQ_PG_BK: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_THREADS
+#error "NQ_PG_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_X_PAD
+#error "NQ_PG_X_PAD: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_ACT_THREADS
+#error "NQ_PG_ACT_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+
 namespace pg {
 
 constexpr int BM = NQ_PG_BM;
-constexpr int BN = 128;
-constexpr int BK = 64;
+constexpr int BN = NQ_PG_BN;
+constexpr int BK = NQ_PG_BK;
 constexpr int STAGES = NQ_PG_STAGES;
-constexpr int THREADS = 256;
+constexpr int THREADS = NQ_PG_THREADS;
 constexpr int WARPS_M = NQ_PG_WARPS_M;
 constexpr int WARPS_N = 8 / WARPS_M;
 constexpr int WM = BM / WARPS_M;         // warp tile rows (tokens)
 constexpr int WN = BN / WARPS_N;         // warp tile columns (features): 32 or 64
 constexpr int MT = WM / 16;              // m16 tiles per warp: 1, 2 or 4
 constexpr int NT = WN / 8;               // n8 tiles per warp: 4 or 8
-constexpr int XS = BK + 8;               // padded X row, halves (144 bytes)
+constexpr int XS = BK + NQ_PG_X_PAD;     // padded X row, halves (144 bytes)
 constexpr int WWORDS = BK / 8;           // packed words per W row per k-tile (8)
 constexpr int X_CHUNKS = BM * BK / 8;    // 16-byte chunks of an X tile
 // CTAs per SM the register cap aims at (launch bounds). BM = 64: 2 x 256 threads x <= 128
@@ -476,7 +492,7 @@ nq_prefill_gemm_swiglu(const half* __restrict__ gate_up, const uint32_t* __restr
 }
 
 // act [T, I] = fp16(silu(g) * u); gate_up [T, 2I]. One thread per 8 outputs (I % 8 == 0).
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(NQ_PG_ACT_THREADS)
 nq_swiglu_act(const half* __restrict__ gate_up, half* __restrict__ act, int T, int I) {
   const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;   // chunk of 8 outputs
   const size_t per_row = I / 8;

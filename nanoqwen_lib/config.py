@@ -321,6 +321,16 @@ def _tuning(raw: dict) -> dict:
     return out
 
 
+def _geometry(raw: dict, tuning: dict) -> dict:
+    """module -> {NQ_NAME: int}: the kernel geometry (each name once, none also a tuning knob)."""
+    out = {module: _knobs(g, f"geometry.{module}") for module, g in raw.items()}
+    names = [k for g in out.values() for k in g] + [k for e in tuning.values() for k in e.get("defines", {})]
+    if len(names) != len(set(names)):
+        raise ConfigError(CONFIG_PATH, "geometry", "each NQ_* name once across geometry and tuning",
+                          sorted({k for k in names if names.count(k) > 1}))
+    return out
+
+
 @dataclass(frozen=True)
 class Config:
     models: dict  # name -> ModelDims (a plain dict inside a frozen dataclass: never mutated)
@@ -332,6 +342,7 @@ class Config:
     validation: ValidationSpec
     tokenizer: TokenizerSpec
     tuning: dict  # kernel module -> TuningEntry (a plain dict inside a frozen dataclass: never mutated)
+    geometry: dict  # kernel module -> {NQ_NAME: int} (the same)
 
     def model(self, name: str) -> ModelDims:
         if name not in self.models:
@@ -363,6 +374,7 @@ def load() -> Config:
         validation=_build(ValidationSpec, raw["validation"]),
         tokenizer=_build(TokenizerSpec, raw["tokenizer"]),
         tuning=_tuning(raw["tuning"]),
+        geometry=_geometry(raw["geometry"], raw["tuning"]),
     )
 
 
@@ -387,6 +399,7 @@ def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
         "NQ_SCALAR_STRIDE": cfg.format.alignment // 4,
     }
     d.update(tuning_defines())
+    d.update({k: v for g in cfg.geometry.values() for k, v in g.items()})
     if dims is not None:
         d.update({
             "NQ_HIDDEN": dims.hidden,

@@ -92,14 +92,22 @@ def main() -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
     new = dump(modules, cfgs)
     differ = 0
+    from nanoqwen_lib import config
+    base = config.tuning_defines()
+
+    def label(key: str) -> str:          # module|the knobs off their defaults|kernel
+        module, cfg, kernel = key.split("|")
+        off = {k: v for k, v in json.loads(cfg).items() if base.get(k) != v}
+        return f"{module}|{json.dumps(off, sort_keys=True) if off else 'defaults'}|{kernel}"
+
     for key in sorted(new):
         if key not in old:
-            print(f"new        {key}")
+            print(f"new        {label(key)}")
         elif old[key] == new[key]:
-            print(f"identical  {key}  ({len(new[key])} instructions)")
+            print(f"identical  {label(key)}  ({len(new[key])} instructions)")
         else:
             differ += 1
-            print(f"DIFFERENT  {key}  ({len(old[key])} -> {len(new[key])} instructions)")
+            print(f"DIFFERENT  {label(key)}  ({len(old[key])} -> {len(new[key])} instructions)")
     return 1 if differ else 0
 
 

@@ -1,4 +1,4 @@
-// wgmma_fp8.cu: the FP8 prefill GEMM on Hopper's FP8 tensor cores (wgmma, sm_90a).
+// lab/wgmma_fp8.cu: an experiment (no engine runs it): the FP8 prefill GEMM on Hopper's FP8 tensor cores (wgmma, sm_90a).
 // nq-arch: sm_90a
 //
 //   nq_gemm_fp8_wgmma   out[t,n] = fp16(ts[t] s[n] sum_k xq[t,k] c[n,k] [+ bias[n]]
@@ -37,9 +37,22 @@
 #endif
 static_assert(NQ_WGMMA_PROMOTE_K == 32 || NQ_WGMMA_PROMOTE_K == 128, "promote every wgmma or every chunk");
 
+#ifndef NQ_WGMMA_BM
+#error "NQ_WGMMA_BM: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_WGMMA_BN
+#error "NQ_WGMMA_BN: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_WGMMA_BK
+#error "NQ_WGMMA_BK: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_WGMMA_THREADS
+#error "NQ_WGMMA_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+
 namespace nqw {
-constexpr int kBM = 64, kBN = 64, kBK = 128;   // tile: tokens x features x bytes of k
-constexpr int kThreads = 128;                  // one warpgroup
+constexpr int kBM = NQ_WGMMA_BM, kBN = NQ_WGMMA_BN, kBK = NQ_WGMMA_BK;   // tile: tokens x features x bytes of k
+constexpr int kThreads = NQ_WGMMA_THREADS;                  // one warpgroup
 constexpr int kTileBytes = kBM * kBK;          // 8 KB per operand chunk
 constexpr uint32_t kLBO = 128, kSBO = 1024;
 

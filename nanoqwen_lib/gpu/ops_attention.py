@@ -25,12 +25,13 @@ from nanoqwen_lib.config import ModelDims, load
 from nanoqwen_lib.model.reference import rope_inv_freq  # one table for kernels and reference (same bits)
 
 ALIGN = load().format.alignment
-ATTN_THREADS = 32 * (1 + 4)      # kernels/paged_attention.cu THREADS: producer warp + 4 consumer warps
+_GEOMETRY = load().geometry["paged_attention"]   # kernels/paged_attention.cu gets the same as -D
+ATTN_THREADS = 32 * (1 + _GEOMETRY["NQ_ATTN_CONSUMER_WARPS"])   # a producer warp + the consumer warps
 # Grid = kv_heads x max_splits: 4 x 64 = 256 CTAs on the 7B, ~2 per SM of the H200's 132.
 # Measured best or within 3% of it at 512, 8192 and 32768 tokens (PERFLOG.md, "paged
 # attention"); 96 (3 CTAs per SM, one wave) was no faster, 128 slower (a second wave).
 DEFAULT_MAX_SPLITS = 64
-MAX_SPLITS_COMBINE = 1024        # kernels/paged_attention.cu: the combine stages <= 1024 splits
+MAX_SPLITS_COMBINE = _GEOMETRY["NQ_ATTN_MAX_SPLITS_COMBINE"]   # the combine stages at most this many splits
 
 
 def check_buffer(name: str, a, dtype, shape) -> None:
