@@ -18,7 +18,6 @@ import cupy as cp  # noqa: E402
 
 from nanoqwen_lib import config  # noqa: E402
 from nanoqwen_lib.format import layout
-from nanoqwen_lib.gpu import ops_gemv
 from nanoqwen_lib.gpu.lab import gemv as lab_gemv
 
 SHAPES = layout.decode_gemv_shapes(config.load().model("7b"))
@@ -40,7 +39,7 @@ def main(argv=None) -> None:
     for _ in range(a.launches):
         lab_gemv.gemv_int4(x, qw, scales, out, tuning=tuning, impl=a.impl)
     cp.cuda.Device().synchronize()
-    print(f"{a.shape} {n}x{k} impl={a.impl or "tiles"} tuning={tuning}: {a.launches} launches")
+    print(f"{a.shape} {n}x{k} impl={a.impl or 'tiles'} tuning={tuning}: {a.launches} launches")
 
 
 if __name__ == "__main__":
