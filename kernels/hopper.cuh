@@ -144,7 +144,8 @@ __device__ __forceinline__ uint64_t smem_desc(const void* smem, uint32_t lbo_byt
 // [setmaxnreg]
 // All 128 threads of a warpgroup, converged (sm_90a): raise (inc) or lower (dec) this
 // warpgroup's per-thread register budget to N (a multiple of 8 in 24..256); producers dec,
-// consumers inc, out of the CTA's pool.
+// consumers inc, out of the CTA's pool. The kernel needs __launch_bounds__(threads, min CTAs):
+// without a register count known at entry ptxas drops setmaxnreg (info C7508).
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
   static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg: a multiple of 8 in 24..256");

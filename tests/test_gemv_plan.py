@@ -1,4 +1,4 @@
-"""The bulk GEMV's launch plan (ops_gemv.plan_bulk), on the CPU: every 7B shape gets slices
+"""The bulk GEMV's launch plan (nanoqwen_lib.gpu.lab.gemv.plan_bulk), on the CPU: every 7B shape gets slices
 that fit the scale buffer, a grid no larger than its items, shared memory that fits an SM,
 and items spread over the SMs; impossible requests are refused with the field named."""
 import pytest
@@ -23,7 +23,7 @@ def test_bulk_plan_fits_and_spreads(shape, sms):
     assert -(-groups // s) <= T["NQ_BULK_MAX_ITEM_GROUPS"]          # every slice fits the scale buffer
     assert 1 <= grid <= tiles * s
     per_sm = lab_gemv.SMEM_PER_SM // (lab_gemv.bulk_smem_bytes(k, T) + lab_gemv.SMEM_PER_CTA_RESERVED)
-    assert 1 <= grid <= min(ops_gemv.BULK_CTAS_PER_SM, per_sm) * sms   # all CTAs resident at once
+    assert 1 <= grid <= min(lab_gemv.BULK_CTAS_PER_SM, per_sm) * sms   # all CTAs resident at once
     per = tiles * s / sms
     assert per / -(-per // 1) >= 0.7, (shape, s, per)               # no SM idles most of the launch
 

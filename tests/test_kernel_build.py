@@ -180,3 +180,20 @@ def test_tuning_table_entries_name_a_commit_or_unmeasured():
         assert (cuda_build.KERNEL_DIR / f"{module}.cu").exists(), module
         for when in [e.measured_at] + [s.measured_at for s in e.shapes]:
             assert when == "unmeasured" or re.fullmatch(r"[0-9a-f]{7,40}", when), (module, when)
+
+
+def test_hopper_primitives_reach_the_sass():
+    """Every wrapper of kernels/hopper.cuh, used once in kernels/lab/hopper_probe.cu, becomes
+    its Hopper instruction (nvdisasm, no GPU): nothing is dropped or lowered to something else."""
+    if cuda_build.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (the cuda13 extra brings it)")
+    text = cuda_build.sass("lab/hopper_probe")
+    ops = set(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", text))
+    want = {"tensor_copy_2d_g2s": "UTMALDG.2D", "prefetch_tensor_map": "UTMACCTL.PF", "bulk_copy_g2s": "UBLKCP.S.G",
+            "mbar_arrive_expect_tx": "SYNCS.ARRIVE.TRANS64", "mbar_wait": "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+            "fence_proxy_async_smem": "FENCE.VIEW.ASYNC.S", "mma_16816": "HMMA.16816.F32",
+            "wgmma (smem_desc operands)": "QGMMA.64x64x32.F32.E4M3.E4M3", "wgmma_fence": "WARPGROUP.ARRIVE",
+            "wgmma_wait": "WARPGROUP.DEPBAR.LE", "setmaxnreg_dec": "USETMAXREG.DEALLOC.CTAPOOL",
+            "setmaxnreg_inc": "USETMAXREG.TRY_ALLOC.CTAPOOL"}
+    missing = {fn: op for fn, op in want.items() if op not in ops}
+    assert not missing, f"hopper.cuh wrappers without their instruction: {missing}\n{sorted(ops)}"

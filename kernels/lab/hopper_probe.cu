@@ -10,7 +10,9 @@ using namespace hopper;
 
 constexpr int kStages = 2;
 
-extern "C" __global__ void __launch_bounds__(256)
+// setmaxnreg needs a register count ptxas can determine at entry: launch bounds with a
+// minimum of CTAs per SM (without one it drops the instruction, C7508).
+extern "C" __global__ void __launch_bounds__(256, 1)
 nq_hopper_probe(const __grid_constant__ TensorMap map, const uint4* __restrict__ src, float* out, int rounds) {
   __shared__ __align__(128) unsigned char tile[kStages][4096];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
