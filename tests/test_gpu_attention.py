@@ -11,6 +11,9 @@ The first three tests check the test's own helpers on the CPU.
 """
 from __future__ import annotations
 
+import os
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +152,13 @@ def test_launcher_refuses_bad_buffers():
     for key, value in bad.items():
         with pytest.raises(AssertionError, match=key.split("_")[0]):
             kernels(d).paged_attention(**{**ok, key: value}, ws=ws)
+
+
+# ---------------------------------------------------------------- compute-sanitizer (test_gpu_lab.py, chapter 6)
+def sanitizer_path():
+    return shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+
+
+def flagged(out: str, rc: int) -> bool:
+    return rc == 3 or bool(re.search(r"(ERROR|RACECHECK) SUMMARY: [1-9]", out)) or "Barrier error" in out

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ pytestmark = pytest.mark.gpu
 from nanoqwen_lib.gpu.lab import gemv as lab_gemv  # noqa: E402
 from nanoqwen_lib.model.kvcache import attention_tolerance  # noqa: E402
 from .gpu_cases import SHAPES_7B, rand_int4  # noqa: E402
-from .test_gpu_attention import ROOT, TOOL, gpu, needs_gpu, run_attention  # noqa: E402
+from .test_gpu_attention import ROOT, TOOL, flagged, gpu, needs_gpu, run_attention, sanitizer_path  # noqa: E402
 from .test_gpu_gemv import ODD, check_close, dev, poisoned, ref_matvec, run_gemv  # noqa: E402
 
 LAB_IMPLS = ["v1", "stream", "bulk"]
@@ -175,15 +174,6 @@ def test_buggy_variant_is_wrong_on_the_tail_page():
     if buggy is None:
         return                                                # a hang is the bug showing, too
     assert buggy[64]["wrong_runs"] >= 1, f"the buggy variant matched the reference in all runs: {buggy}"
-
-
-def sanitizer_path():
-    return shutil.which("compute-sanitizer") or next(
-        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
-
-
-def flagged(out: str, rc: int) -> bool:
-    return rc == 3 or bool(re.search(r"(ERROR|RACECHECK) SUMMARY: [1-9]", out)) or "Barrier error" in out
 
 
 @gpu

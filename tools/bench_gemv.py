@@ -33,7 +33,7 @@ STREAM_VARIANTS = (("16w x1", {}, 1), ("16w x1 ring8", {"NQ_GEMV_STREAM_RING": 8
                    ("8w x2", {"NQ_GEMV_STREAM_WARPS": 8}, 2),
                    ("8w x2 ring8", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}, 2),
                    ("8w x3", {"NQ_GEMV_STREAM_WARPS": 8}, 3))
-# v5 bulk (persistent, cp.async.bulk ring): (label, tuning); ksplit and grid from ops_gemv.plan_bulk.
+# v5 bulk (persistent, cp.async.bulk ring): (label, tuning); ksplit and grid from lab_gemv.plan_bulk.
 BULK_VARIANTS = (("bulk", {}), ("bulk FOLD", {"NQ_GEMV_FOLD": 1}),
                  ("bulk S6 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 6}),
                  ("bulk S8 G4 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 8, "NQ_BULK_GROUPS": 4}),
