@@ -13,6 +13,7 @@
 // v0, correctness first: plain 16-byte loads, one shared-memory stage; PERFLOG.md says
 // what is measured. Requires sm_89 or newer (E4M3 cvt and MMA); this build targets sm_90.
 #include "fp8.cuh"
+#include "hopper.cuh"   // the E4M3 mma.sync wrapper
 #ifndef NQ_FP8_GEMV_THREADS
 #error "NQ_FP8_GEMV_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
 #endif
@@ -76,13 +77,6 @@ __device__ __forceinline__ float dot16(const uint4 codes, const uint4 xa, const 
   return acc;
 }
 
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 }  // namespace nqfp8
 
 // [gemv-fp8]
@@ -212,7 +206,7 @@ nq_gemm_fp8(const unsigned char* __restrict__ xq, const float* __restrict__ ts,
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_e4m3(acc[i][j], a[i], b[j]);
+        for (int j = 0; j < 4; ++j) hopper::mma_e4m3_16832(acc[i][j], a[i], b[j]);
     }
     __syncthreads();   // all threads: done reading before the next tiles overwrite them
   }

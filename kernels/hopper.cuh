@@ -121,6 +121,32 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
 }
 // [/mma]
 
+// All 32 lanes, converged. D += A.B, m16n8k32, E4M3 inputs, fp32 accumulators (the fragment
+// layout of m16n8k16 with four bytes per register; on sm_90 ptxas emulates it with FP16 HMMA).
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// ---- cp.async (sm_80's per-thread async copies; the prefill kernels' loaders) -------------
+// Each thread for its own copies: 16 (or 4) bytes global -> shared at the shared address
+// dst, zero-filled when !valid (src-size 0: nothing is read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+               :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+// Each thread: close its group of copies; wait until at most N of its groups are pending.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
 // [wgmma]
 // All 128 threads of a warpgroup, converged (sm_90a). wgmma_fence before the first wgmma
 // of a group (orders earlier register and shared-memory writes before it), commit closes

@@ -126,18 +126,10 @@ static_assert(X_CHUNKS % THREADS == 0, "every thread copies the same number of X
 // ---- PTX wrappers -------------------------------------------------------------------------
 using hopper::smem_u32;
 
-// 16 bytes global -> shared, zero-filled when !valid (src-size 0: nothing is read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-               :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+using hopper::cp_async16;   // cp.async 16 / 4 bytes, zero-filled when !valid (hopper.cuh)
+using hopper::cp_async4;
+using hopper::cp_async_commit;
+using hopper::cp_async_wait;
 
 __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;

@@ -197,3 +197,14 @@ def test_hopper_primitives_reach_the_sass():
             "setmaxnreg_inc": "USETMAXREG.TRY_ALLOC.CTAPOOL"}
     missing = {fn: op for fn, op in want.items() if op not in ops}
     assert not missing, f"hopper.cuh wrappers without their instruction: {missing}\n{sorted(ops)}"
+
+
+@pytest.mark.parametrize("name,layout", [("fp8", "NQ_FP8_LAYOUT_ID"), ("gemv_int4", "NQ_LAYOUT_ID"),
+                                         ("prefill_gemm", "NQ_LAYOUT_ID")])
+def test_each_kernel_asserts_its_own_layout(name, layout):
+    """The INT4 kernels check the INT4 layout id, the FP8 kernels the FP8 one, neither the other's."""
+    dims = config.load().model("7b")
+    other = {"NQ_LAYOUT_ID", "NQ_FP8_LAYOUT_ID"} - {layout}
+    cuda_build.compile_cubin(name, dims, {k: 99 for k in other})        # the other encoding's id: no concern
+    with pytest.raises(RuntimeError, match="layout"):
+        cuda_build.compile_cubin(name, dims, {layout: 99})
