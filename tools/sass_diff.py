@@ -53,7 +53,7 @@ def dump(modules: list[str], config_source: dict) -> dict:
             for m in re.finditer(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\n\s*//-+ \.|\Z)", text, re.S):
                 ins = [re.sub(r"__internal_\d+_", "__internal_",
                               re.sub(r"\.L_x_\d+", ".L", re.sub(r"/\*[0-9a-f]{4,}\*/", "", line))).strip()
-                       for line in m.group(2).splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+                       for line in m.group(2).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
                 out[f"{module}|{json.dumps(cfg, sort_keys=True)}|{m.group(1)}"] = ins
     return out
 
