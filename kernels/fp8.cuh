@@ -1,4 +1,4 @@
-// fp8.cuh: shared by the FP8 GEMMs (fp8.cu: mma.sync; wgmma_fp8.cu: wgmma). One contract:
+// fp8.cuh: shared by the FP8 GEMMs (fp8.cu: mma.sync; lab/wgmma_fp8.cu: wgmma). One contract:
 // out[t,n] = fp16(acc * ts[t] * s[n] [+ bias[n]] [+ residual[t,n]]), acc the FP32 sum of
 // E4M3 products, ts the token's activation scale, s the weight row's scale.
 #pragma once

@@ -85,6 +85,12 @@ static_assert(NQ_PG_WARPS_M == 2 || NQ_PG_WARPS_M == 4, "8 warps as 2 x 4 or 4 x
 #ifndef NQ_PG_ACT_THREADS
 #error "NQ_PG_ACT_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
 #endif
+#ifndef NQ_PG_MIN_CTAS_BM64
+#error "NQ_PG_MIN_CTAS_BM64: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_MIN_CTAS_BM128
+#error "NQ_PG_MIN_CTAS_BM128: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
 
 namespace pg {
 
@@ -105,8 +111,8 @@ constexpr int X_CHUNKS = BM * BK / 8;    // 16-byte chunks of an X tile
 // CTAs per SM the register cap aims at (launch bounds). BM = 64: 2 x 256 threads x <= 128
 // registers. BM = 128 needs ~150 registers (64 accumulators, the loaders, split-K): one CTA
 // of 8 warps per SM, where a cap of 128 would spill.
-constexpr int MIN_CTAS = BM == 128 ? 1 : 2;
-constexpr int MIN_CTAS_SWIGLU = BM == 128 ? 1 : 2;
+constexpr int MIN_CTAS = BM == 128 ? NQ_PG_MIN_CTAS_BM128 : NQ_PG_MIN_CTAS_BM64;
+constexpr int MIN_CTAS_SWIGLU = MIN_CTAS;
 
 // One stage of the ring. `u` exists only in the SwiGLU kernel (the launcher sizes the
 // dynamic shared memory accordingly: stage_bytes(swiglu) below).

@@ -41,7 +41,7 @@ ACT_THREADS = _PG["NQ_PG_ACT_THREADS"]     # nq_swiglu_act's block
 GEMM_STAGES = load().tuning["prefill_gemm"].defines["NQ_PG_STAGES"]
 GEMM_BM_CHOICES = (64, 128)
 GEMM_WARPS_M = load().tuning["prefill_gemm"].defines["NQ_PG_WARPS_M"]   # 8 warps as 2 (tokens) x 4 (features); 4 x 2 is the other build
-GEMM_CTAS_PER_SM = {64: 2, 128: 1}   # resident CTAs per SM (the kernel's launch bounds / registers)
+GEMM_CTAS_PER_SM = {64: _PG["NQ_PG_MIN_CTAS_BM64"], 128: _PG["NQ_PG_MIN_CTAS_BM128"]}   # resident CTAs per SM (the launch bounds)
 GEMM_BM128_MIN_WAVES = 2         # BM = 128 once its grid fills the resident slots this many times
 SPLIT_MAX = 8                    # split-K slices at most ...
 SPLIT_MIN_KTILES = 4             # ... each with at least this many k-tiles of 64
