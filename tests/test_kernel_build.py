@@ -208,3 +208,26 @@ def test_each_kernel_asserts_its_own_layout(name, layout):
     cuda_build.compile_cubin(name, dims, {k: 99 for k in other})        # the other encoding's id: no concern
     with pytest.raises(RuntimeError, match="layout"):
         cuda_build.compile_cubin(name, dims, {layout: 99})
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda raw: raw["tuning"]["gemv_int4"]["defines"].update(NQ_GEMV_WARPS="four"), "tuning.gemv_int4.defines"),
+    (lambda raw: raw["tuning"]["lm_head"].pop("measured_at"), "tuning.lm_head"),
+    (lambda raw: raw["tuning"]["gemv_int4"]["shapes"][0].update(n="qkv_dims"), "tuning.gemv_int4.shapes[0].n"),
+    (lambda raw: raw["geometry"]["fp8"].update(NQ_GEMV_WARPS=4), "geometry"),          # a knob named twice
+])
+def test_a_bad_tuning_table_is_refused_naming_the_field(tmp_path, monkeypatch, edit, field):
+    import yaml
+    from nanoqwen_lib.errors import ConfigError
+    raw = yaml.safe_load(config.CONFIG_PATH.read_text())
+    edit(raw)
+    bad = tmp_path / "nanoqwen.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr(config, "CONFIG_PATH", bad)
+    config.load.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            config.load()
+    finally:
+        monkeypatch.undo()
+        config.load.cache_clear()
