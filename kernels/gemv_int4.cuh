@@ -22,6 +22,9 @@
 #pragma once
 #include "hopper.cuh"   // common.cuh, and the mma.sync wrapper
 
+#ifndef NQ_GEMV_X_GROUP_HALVES
+#error "NQ_GEMV_X_GROUP_HALVES: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
 #ifndef NQ_GEMV_WARPS   // warps per CTA (split of the CTA's K range)
 #error "NQ_GEMV_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -57,7 +60,8 @@ constexpr int kGroupWords = NQ_GROUP_SIZE / 8;                 // 16 uint32 per 
 // padding, so the four lanes t = 0..3 of a 16-byte read start at banks 0, 20, 8, 28 (no
 // conflicts); lanes with the same t read the same address (broadcast).
 // NQ_GEMV_FOLD=1 keeps the group's correction in that padding (see [fold-stage]).
-constexpr int kSmemGroupHalves = NQ_GROUP_SIZE + NQ_GROUP_SIZE / 4;   // 160
+constexpr int kSmemGroupHalves = NQ_GEMV_X_GROUP_HALVES;   // 160 (the launcher sizes shared memory by it)
+static_assert(kSmemGroupHalves == NQ_GROUP_SIZE + NQ_GROUP_SIZE / 4, "each 32-half lane run is followed by 8 halves");
 
 // ---- bit tricks ------------------------------------------------------------------------
 // [unpack]

@@ -36,7 +36,7 @@ ARGMAX_CTAS_PER_SM = 1
 SPLIT_TARGET_CTAS_PER_SM = 0    # split K until the grid has this many CTAs per SM (0: off) ...
 SPLIT_MAX_CTA_GROUPS = 64       # ... and so that one CTA's K range fits its shared memory
 SPLIT_MIN_WARP_GROUPS = 2       # ... but never below this many groups per warp
-ACT_BYTES_PER_GROUP = 2 * (GROUP + GROUP // 4)   # staged fp16 x of one group, padded (gemv_int4.cuh)
+ACT_BYTES_PER_GROUP = 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]   # staged fp16 x of one group, padded
 
 # Workspace capacity (allocated once, ~4.3 MB).
 WS_PARTIAL_FLOATS = 1 << 20     # ksplit * N fp32 partial sums

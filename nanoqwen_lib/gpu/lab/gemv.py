@@ -123,7 +123,7 @@ def bulk_smem_bytes(k: int, t: dict) -> int:
     scales."""
     g = t["NQ_BULK_GROUPS"]
     ring = t["NQ_BULK_STAGES"] * 16 * (g * 64 + (64 if g % 2 == 0 else 0))   # rows an odd multiple of 64 B apart
-    return ring + (k // GROUP) * 2 * (GROUP + GROUP // 4) + 2 * 16 * t["NQ_BULK_MAX_ITEM_GROUPS"] * 2
+    return ring + (k // GROUP) * ops_gemv.ACT_BYTES_PER_GROUP + 2 * 16 * t["NQ_BULK_MAX_ITEM_GROUPS"] * 2
 
 
 def plan_bulk(n: int, k: int, t: dict, sms: int, ksplit: int | None = None, ctas: int | None = None):
