@@ -18,7 +18,6 @@ typedef long long int64_t;
 
 static_assert(NQ_GROUP_SIZE % 8 == 0, "a group holds whole uint32 words of 8 nibbles");
 static_assert(NQ_ALIGN == 128, "buffers and payloads are 128-byte aligned");
-static_assert(NQ_LAYOUT_ID == 1, "this build knows layout 1 (INT4, ValueShuffle)");
 static_assert(NQ_KV_DTYPE_BYTES == 2, "the KV cache is FP16");
 
 #ifdef NQ_HEAD_DIM

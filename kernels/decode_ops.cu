@@ -12,8 +12,8 @@
 #include "common.cuh"
 #include "argmax.cuh"
 
-#ifndef NQ_DECODE_THREADS
-#define NQ_DECODE_THREADS 512   // threads per CTA of every kernel in this file
+#ifndef NQ_DECODE_THREADS   // threads per CTA of every kernel in this file
+#error "NQ_DECODE_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 static_assert(NQ_DECODE_THREADS % 32 == 0 && NQ_DECODE_THREADS <= 1024, "whole warps, <= 1024");
 

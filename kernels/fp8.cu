@@ -13,12 +13,31 @@
 // v0, correctness first: plain 16-byte loads, one shared-memory stage; PERFLOG.md says
 // what is measured. Requires sm_89 or newer (E4M3 cvt and MMA); this build targets sm_90.
 #include "fp8.cuh"
+#include "hopper.cuh"   // the E4M3 mma.sync wrapper
+#ifndef NQ_FP8_GEMV_THREADS
+#error "NQ_FP8_GEMV_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_QUANT_THREADS
+#error "NQ_FP8_QUANT_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_GEMM_BM
+#error "NQ_FP8_GEMM_BM: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_GEMM_BN
+#error "NQ_FP8_GEMM_BN: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_GEMM_BK
+#error "NQ_FP8_GEMM_BK: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_FP8_GEMM_THREADS
+#error "NQ_FP8_GEMM_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
 
 namespace nqfp8 {
-constexpr int kGemvThreads = 256;       // 8 warps, one output row per warp at a time
-constexpr int kQuantThreads = 256;
-constexpr int kBM = 64, kBN = 64, kBK = 64;   // GEMM tile: tokens x features x k
-constexpr int kGemmThreads = 128;       // 4 warps as 2 (tokens) x 2 (features), 32 x 32 each
+constexpr int kGemvThreads = NQ_FP8_GEMV_THREADS;       // 8 warps, one output row per warp at a time
+constexpr int kQuantThreads = NQ_FP8_QUANT_THREADS;
+constexpr int kBM = NQ_FP8_GEMM_BM, kBN = NQ_FP8_GEMM_BN, kBK = NQ_FP8_GEMM_BK;   // GEMM tile: tokens x features x k
+constexpr int kGemmThreads = NQ_FP8_GEMM_THREADS;       // 4 warps as 2 (tokens) x 2 (features), 32 x 32 each
 constexpr int kStride = kBK + 16;       // shared row stride in bytes (16-byte aligned, fewer bank conflicts)
 
 // Two E4M3 (low byte = first) -> two fp16 in one register (low half = first).
@@ -58,13 +77,6 @@ __device__ __forceinline__ float dot16(const uint4 codes, const uint4 xa, const 
   return acc;
 }
 
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 }  // namespace nqfp8
 
 // [gemv-fp8]
@@ -194,7 +206,7 @@ nq_gemm_fp8(const unsigned char* __restrict__ xq, const float* __restrict__ ts,
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_e4m3(acc[i][j], a[i], b[j]);
+        for (int j = 0; j < 4; ++j) hopper::mma_e4m3_16832(acc[i][j], a[i], b[j]);
     }
     __syncthreads();   // all threads: done reading before the next tiles overwrite them
   }

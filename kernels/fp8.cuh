@@ -1,4 +1,4 @@
-// fp8.cuh: shared by the FP8 GEMMs (fp8.cu: mma.sync; wgmma_fp8.cu: wgmma). One contract:
+// fp8.cuh: shared by the FP8 GEMMs (fp8.cu: mma.sync; lab/wgmma_fp8.cu: wgmma). One contract:
 // out[t,n] = fp16(acc * ts[t] * s[n] [+ bias[n]] [+ residual[t,n]]), acc the FP32 sum of
 // E4M3 products, ts the token's activation scale, s the weight row's scale.
 #pragma once
@@ -7,6 +7,7 @@
 #ifndef NQ_FP8_MAX
 #error "NQ_FP8_MAX comes from nanoqwen.yaml (format.fp8_max) via nanoqwen_lib.config.cuda_defines"
 #endif
+static_assert(NQ_FP8_LAYOUT_ID == 2, "these kernels read layout 2 (FP8 E4M3 codes, one FP32 scale per row)");
 static_assert(NQ_FP8_MAX == 448, "E4M3 (e4m3fn): largest finite value 448");
 
 namespace nqfp8 {

@@ -13,13 +13,13 @@
 #include "argmax.cuh"
 
 #ifndef NQ_LMHEAD_WARPS
-#define NQ_LMHEAD_WARPS 8
+#error "NQ_LMHEAD_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_LMHEAD_ROWS_PER_WARP
-#define NQ_LMHEAD_ROWS_PER_WARP 4
+#error "NQ_LMHEAD_ROWS_PER_WARP: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_LMHEAD_UNROLL
-#define NQ_LMHEAD_UNROLL 4
+#error "NQ_LMHEAD_UNROLL: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 static_assert(NQ_LMHEAD_ROWS_PER_WARP >= 1 && NQ_LMHEAD_ROWS_PER_WARP <= 8, "1..8 rows per warp");
 static_assert(NQ_LMHEAD_UNROLL >= 1 && NQ_LMHEAD_UNROLL <= 8, "1..8 chunks in flight per row");

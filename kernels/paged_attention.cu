@@ -1,10 +1,7 @@
 // paged_attention.cu: decode attention (one token, batch 1) over the paged KV cache.
 //
-// Variants (compile-time):
-//   default               warp-specialized split-KV kernel + exact LSE combine (the fixed one)
-//   NQ_ATTN_BUGGY_SYNC=1  the original runtime's tail-page hand-off: a __syncthreads() inside
-//                         the producer's `if (warp == 0)` branch (see "THE BUG" below)
-// nq-variants: NQ_ATTN_BUGGY_SYNC=1
+// The warp-specialized split-KV kernel + exact LSE combine. kernels/lab/paged_attention_buggy.cu
+// keeps the original runtime's tail-page hand-off (see "THE BUG" below).
 // Lines `// [attn-...]` mark the pieces book/06-paged-attention.md includes (comments only).
 //
 // Tuned for: head_dim 128 or 64, GQA ratio <= 8 (7 on Qwen2.5), 16-token pages, 3 stages.
@@ -33,7 +30,7 @@
 // valid rows: expect_tx counts exactly those bytes. Stage rows at or past context_len hold
 // stale data (maybe NaN bits): their scores are masked to -inf and their V rows skipped.
 //
-// THE BUG (NQ_ATTN_BUGGY_SYNC=1). The original runtime copied the tail page with ordinary
+// THE BUG (kernels/lab/paged_attention_buggy.cu). The original runtime copied the tail page with ordinary
 // loads by the producer's 32 lanes, arrived on full[stage] first ("no bytes in flight for
 // this one") and then called __syncthreads() inside `if (warp == 0)` to "publish" the rows.
 // A block-wide barrier reached by one warp of five is undefined behaviour on sm_70+: the
@@ -47,20 +44,24 @@
 // consumers reach the tail late enough that the stores have landed (the race hides); no
 // hang. compute-sanitizer racecheck reports it (2 errors, 1024 hazards each: consumer
 // reads vs the producer's tail stores); synccheck reports nothing on sm_90.
-#include "mbarrier.cuh"   // common.cuh, and the bulk-copy / mbarrier wrappers
+#include "hopper.cuh"   // common.cuh, and the mbarrier / bulk-copy wrappers
+using namespace hopper;
 
 #ifndef NQ_HEAD_DIM
 #error "paged_attention.cu needs the model dims (cuda_defines(dims))"
 #endif
-#ifndef NQ_ATTN_BUGGY_SYNC
-#define NQ_ATTN_BUGGY_SYNC 0
+#ifndef NQ_ATTN_CONSUMER_WARPS
+#error "NQ_ATTN_CONSUMER_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_ATTN_MAX_SPLITS_COMBINE
+#error "NQ_ATTN_MAX_SPLITS_COMBINE: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
 #endif
 
 constexpr int HEAD_DIM = NQ_HEAD_DIM;
 constexpr int GQA = NQ_NUM_HEADS / NQ_NUM_KV_HEADS;   // query heads per KV head (7)
 constexpr int GQA_SLOTS = 8;                          // padded to 8 for the lane transpose
 constexpr int STAGES = NQ_ATTN_STAGES;
-constexpr int CONSUMER_WARPS = 4;
+constexpr int CONSUMER_WARPS = NQ_ATTN_CONSUMER_WARPS;
 constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
 constexpr int THREADS = 32 + CONSUMER_THREADS;
 constexpr int TOKENS_PER_WARP = NQ_PAGE_TOKENS / CONSUMER_WARPS;
@@ -147,20 +148,6 @@ __device__ __forceinline__ void produce(SharedStorage& sm, const half* k_cache, 
         const int rows = min(NQ_PAGE_TOKENS, ctx - page * NQ_PAGE_TOKENS);
         // Slice (physical page, g) of [num_pages, kv_heads, 16, d]; 64-bit offsets.
         const long long src = ((long long)__ldg(block_table + page) * NQ_NUM_KV_HEADS + g) * TILE_ELEMS;
-        // [attn-buggy-tail]
-#if NQ_ATTN_BUGGY_SYNC
-        if (rows < NQ_PAGE_TOKENS) {                        // the original tail-page path
-            if (lane == 0) mbar_arrive(&sm.full[stage]);    // phase completes now: no bytes expected
-            const int4* ks = reinterpret_cast<const int4*>(k_cache + src);
-            const int4* vs = reinterpret_cast<const int4*>(v_cache + src);
-            int4* kd = reinterpret_cast<int4*>(sm.k[stage]);
-            int4* vd = reinterpret_cast<int4*>(sm.v[stage]);
-            for (int j = lane; j < rows * ROW_BYTES / 16; j += 32) { kd[j] = ks[j]; vd[j] = vs[j]; }
-            __syncthreads();  // BUG: reached by warp 0 only; meant to publish the rows. Wrong on sm_70+.
-            continue;
-        }
-#endif
-        // [attn-buggy-tail-end]
         if (lane == 0) {
             const uint32_t bytes = rows * ROW_BYTES;          // 16 rows, or the tail's valid rows
             mbar_arrive_expect_tx(&sm.full[stage], 2 * bytes); // K + V land on this phase
@@ -348,7 +335,7 @@ paged_attention_split(const half* __restrict__ q,             // [num_heads * d]
 // the threads stage m_s and 2^(m_s - M) in shared memory in parallel, and each thread's
 // accumulator loads are independent (unrolled) so several are in flight.
 constexpr int COMBINE_WARPS = HEAD_DIM / 32;
-constexpr int MAX_SPLITS_COMBINE = 1024;              // ops_attention.AttentionWorkspace checks
+constexpr int MAX_SPLITS_COMBINE = NQ_ATTN_MAX_SPLITS_COMBINE;   // ops_attention.AttentionWorkspace checks
 
 // Reduce v over the block (max or sum); every thread gets the result. `red` is this
 // reduction's own buffer, so two reductions need no barrier between them.

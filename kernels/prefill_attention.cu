@@ -28,19 +28,29 @@
 // What it degrades to: queries beyond T are computed and not stored; keys beyond the context
 // are zero-filled (never read from the cache: a page's unused rows may hold anything) and
 // masked to -inf.
-#include "common.cuh"
+#include "hopper.cuh"   // common.cuh, smem_u32, the mma.sync wrapper
 
 #ifndef NQ_HEAD_DIM
 #error "prefill_attention.cu needs the model dims (cuda_defines(dims))"
+#endif
+
+#ifndef NQ_PA_BQ
+#error "NQ_PA_BQ: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PA_WARPS
+#error "NQ_PA_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PA_ROPE_THREADS
+#error "NQ_PA_ROPE_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
 #endif
 
 namespace pa {
 
 constexpr int D = NQ_HEAD_DIM;
 constexpr int HALF_D = D / 2;
-constexpr int BQ = 64;                         // queries per CTA
+constexpr int BQ = NQ_PA_BQ;                   // queries per CTA
 constexpr int BKV = 64;                        // keys per tile
-constexpr int WARPS = 4;                       // 16 query rows each
+constexpr int WARPS = NQ_PA_WARPS;             // 16 query rows each
 constexpr int THREADS = 32 * WARPS;
 constexpr int CHUNKS = D / 8;                  // 16-byte chunks per row
 constexpr int TILE = BKV * D;                  // halves in one K (or V) tile
@@ -58,17 +68,16 @@ struct Shared {
   half v[2][TILE];           // V tiles, same
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+using hopper::smem_u32;
 // Halves offset of chunk c of row r (swizzled).
 __device__ __forceinline__ int swz(int r, int c) { return r * D + ((c ^ (r & 7)) << 3); }
 
+// 16 bytes global -> shared at a shared pointer, zero-filled when !valid (hopper.cuh's cp.async).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+  hopper::cp_async16(smem_u32(dst), src, valid);
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+using hopper::cp_async_commit;
+using hopper::cp_async_wait;
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -78,12 +87,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using hopper::mma_16816;   // D += A.B, m16n8k16, fp16 in, fp32 accumulate (hopper.cuh)
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   const half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -290,7 +294,7 @@ nq_prefill_attention(const half* __restrict__ q, const half* __restrict__ k_pool
 // once into shared memory; then thread i rotates pairs i, i + 256, ... of the (heads +
 // kv_heads) x d/2 pairs (q heads first, then k heads: q to q_out, k to its page slot) and
 // copies v's 16-byte chunks to its page slot.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(NQ_PA_ROPE_THREADS)
 nq_prefill_rope_write_kv(const half* __restrict__ qkv,         // [T, (heads + 2 kv_heads) * d]
                          const float* __restrict__ inv_freq,   // [d/2]
                          const int32_t* __restrict__ block_table,

@@ -52,44 +52,67 @@
 // cp.async (src-size 0) and never stored; odd N stores element by element. The scale word
 // of an odd-sized scales tensor's last element reaches 2 bytes past its end (inside the
 // 128-byte-aligned allocation; the value is not used).
-#include "common.cuh"
+#include "hopper.cuh"   // common.cuh, smem_u32, the mma.sync wrapper
 
-#ifndef NQ_PG_BM
-#define NQ_PG_BM 128        // tokens per CTA tile: 128 (large grids) or 64 (small N)
+#ifndef NQ_PG_BM   // tokens per CTA tile: 128 (large grids) or 64 (small N)
+#error "NQ_PG_BM: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
-#ifndef NQ_PG_STAGES
-#define NQ_PG_STAGES 4      // shared-memory ring depth
+#ifndef NQ_PG_STAGES   // shared-memory ring depth
+#error "NQ_PG_STAGES: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
-#ifndef NQ_PG_WARPS_M
-#define NQ_PG_WARPS_M 2     // warps along the tokens (the other 8 / WARPS_M along the features)
+#ifndef NQ_PG_WARPS_M   // warps along the tokens (the other 8 / WARPS_M along the features)
+#error "NQ_PG_WARPS_M: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 
+static_assert(NQ_LAYOUT_ID == 1, "this kernel reads layout 1 (INT4, ValueShuffle)");
 static_assert(NQ_GROUP_SIZE == 128, "a k-tile of 64 lies inside one scale group");
 static_assert(NQ_PG_BM == 64 || NQ_PG_BM == 128, "BM is 64 or 128 tokens");
 static_assert(NQ_PG_STAGES >= 2 && NQ_PG_STAGES <= 6, "2..6 stages");
 static_assert(NQ_PG_WARPS_M == 2 || NQ_PG_WARPS_M == 4, "8 warps as 2 x 4 or 4 x 2");
 
+#ifndef NQ_PG_BN
+#error "NQ_PG_BN: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_BK
+#error "NQ_PG_BK: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_THREADS
+#error "NQ_PG_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_X_PAD
+#error "NQ_PG_X_PAD: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_ACT_THREADS
+#error "NQ_PG_ACT_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_MIN_CTAS_BM64
+#error "NQ_PG_MIN_CTAS_BM64: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PG_MIN_CTAS_BM128
+#error "NQ_PG_MIN_CTAS_BM128: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+
 namespace pg {
 
 constexpr int BM = NQ_PG_BM;
-constexpr int BN = 128;
-constexpr int BK = 64;
+constexpr int BN = NQ_PG_BN;
+constexpr int BK = NQ_PG_BK;
 constexpr int STAGES = NQ_PG_STAGES;
-constexpr int THREADS = 256;
+constexpr int THREADS = NQ_PG_THREADS;
 constexpr int WARPS_M = NQ_PG_WARPS_M;
 constexpr int WARPS_N = 8 / WARPS_M;
 constexpr int WM = BM / WARPS_M;         // warp tile rows (tokens)
 constexpr int WN = BN / WARPS_N;         // warp tile columns (features): 32 or 64
 constexpr int MT = WM / 16;              // m16 tiles per warp: 1, 2 or 4
 constexpr int NT = WN / 8;               // n8 tiles per warp: 4 or 8
-constexpr int XS = BK + 8;               // padded X row, halves (144 bytes)
+constexpr int XS = BK + NQ_PG_X_PAD;     // padded X row, halves (144 bytes)
 constexpr int WWORDS = BK / 8;           // packed words per W row per k-tile (8)
 constexpr int X_CHUNKS = BM * BK / 8;    // 16-byte chunks of an X tile
 // CTAs per SM the register cap aims at (launch bounds). BM = 64: 2 x 256 threads x <= 128
 // registers. BM = 128 needs ~150 registers (64 accumulators, the loaders, split-K): one CTA
 // of 8 warps per SM, where a cap of 128 would spill.
-constexpr int MIN_CTAS = BM == 128 ? 1 : 2;
-constexpr int MIN_CTAS_SWIGLU = BM == 128 ? 1 : 2;
+constexpr int MIN_CTAS = BM == 128 ? NQ_PG_MIN_CTAS_BM128 : NQ_PG_MIN_CTAS_BM64;
+constexpr int MIN_CTAS_SWIGLU = MIN_CTAS;
 
 // One stage of the ring. `u` exists only in the SwiGLU kernel (the launcher sizes the
 // dynamic shared memory accordingly: stage_bytes(swiglu) below).
@@ -107,20 +130,12 @@ static_assert(STAGE_BYTES % 16 == 0 && U_BYTES % 16 == 0, "16-byte aligned stage
 static_assert(X_CHUNKS % THREADS == 0, "every thread copies the same number of X chunks");
 
 // ---- PTX wrappers -------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+using hopper::smem_u32;
 
-// 16 bytes global -> shared, zero-filled when !valid (src-size 0: nothing is read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-               :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+using hopper::cp_async16;   // cp.async 16 / 4 bytes, zero-filled when !valid (hopper.cuh)
+using hopper::cp_async4;
+using hopper::cp_async_commit;
+using hopper::cp_async_wait;
 
 __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;
@@ -140,13 +155,7 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// D += A.B, m16n8k16, fp16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using hopper::mma_16816;   // D += A.B, m16n8k16, fp16 in, fp32 accumulate (hopper.cuh)
 
 // ---- dequantization -----------------------------------------------------------------------
 // One ValueShuffle word (w0..w7 of 8 consecutive k) -> fp16x2 pairs (w0,w1) (w2,w3) (w4,w5)
@@ -481,7 +490,7 @@ nq_prefill_gemm_swiglu(const half* __restrict__ gate_up, const uint32_t* __restr
 }
 
 // act [T, I] = fp16(silu(g) * u); gate_up [T, 2I]. One thread per 8 outputs (I % 8 == 0).
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(NQ_PG_ACT_THREADS)
 nq_swiglu_act(const half* __restrict__ gate_up, half* __restrict__ act, int T, int I) {
   const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;   // chunk of 8 outputs
   const size_t per_row = I / 8;

@@ -347,6 +347,85 @@ class TokenizerSpec:
 
 
 @dataclass(frozen=True)
+class TuningEntry:
+    """One kernel file's compile-time knobs (nanoqwen.yaml `tuning:`)."""
+    module: str               # kernels/<module>.cu
+    defines: dict             # NQ_NAME -> int, passed as -D to every build
+    measured_at: str          # the commit of the GPU run that chose them, or "unmeasured"
+    fallback: dict            # NQ_NAME -> int over `defines` for shapes `shapes` does not name
+    shapes: tuple             # of GemvShape
+
+
+@dataclass(frozen=True)
+class GemvShape:
+    """A per-shape entry of a GEMV's tuning table."""
+    launcher: str
+    n: str                    # a ModelDims field, or 2*field
+    k: str
+    ksplit: int
+    defines: dict
+    measured_at: str
+    us: float
+
+    def size(self, dims: "ModelDims") -> tuple[int, int]:
+        return _dim_expr(dims, self.n), _dim_expr(dims, self.k)
+
+
+def _dim_expr(dims: "ModelDims", expr: str) -> int:
+    factor, _, name = expr.rpartition("*")
+    return (int(factor) if factor else 1) * getattr(dims, name)
+
+
+def _knobs(raw, source: str) -> dict:
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and k.startswith("NQ_") and type(v) is int
+                                            for k, v in raw.items()):
+        raise ConfigError(CONFIG_PATH, source, "a mapping of NQ_* names to integers", repr(raw))
+    return dict(raw)
+
+
+def _tuning(raw: dict) -> dict:
+    """module -> TuningEntry, every field checked (a knob is an NQ_* name with an int value)."""
+    out = {}
+    for module, entry in raw.items():
+        src = f"tuning.{module}"
+        if not isinstance(entry, dict) or not {"defines", "measured_at"} <= set(entry) \
+                or set(entry) - {"defines", "measured_at", "fallback", "shapes"}:
+            raise ConfigError(CONFIG_PATH, src, "defines, measured_at (and optional fallback, shapes)",
+                              repr(sorted(entry) if isinstance(entry, dict) else entry))
+        fb = entry.get("fallback", {"defines": {}, "measured_at": entry["measured_at"]})
+        shapes = []
+        for i, s in enumerate(entry.get("shapes", [])):
+            need = {"launcher", "n", "k", "ksplit", "defines", "measured_at", "us"}
+            if set(s) != need:
+                raise ConfigError(CONFIG_PATH, f"{src}.shapes[{i}]", f"fields {sorted(need)}", repr(sorted(s)))
+            for f in ("n", "k"):
+                name = s[f].rpartition("*")[2]
+                if name not in ModelDims.__dataclass_fields__ and not hasattr(ModelDims, name):
+                    raise ConfigError(CONFIG_PATH, f"{src}.shapes[{i}].{f}", "a ModelDims field or 2*field",
+                                      repr(s[f]))
+            shapes.append(GemvShape(s["launcher"], s["n"], s["k"], _positive_int(s["ksplit"], CONFIG_PATH,
+                                    f"{src}.shapes[{i}].ksplit"), _knobs(s["defines"], f"{src}.shapes[{i}].defines"),
+                                    str(s["measured_at"]), float(s["us"])))
+        out[module] = TuningEntry(module, _knobs(entry["defines"], f"{src}.defines"), str(entry["measured_at"]),
+                                  _knobs(fb["defines"], f"{src}.fallback.defines"), tuple(shapes))
+    names = [k for e in out.values() for k in e.defines]
+    if len(names) != len(set(names)):
+        raise ConfigError(CONFIG_PATH, "tuning", "each NQ_* knob in one module's defines",
+                          sorted({k for k in names if names.count(k) > 1}))
+    return out
+
+
+def _geometry(raw: dict, tuning: dict) -> dict:
+    """module -> {NQ_NAME: int}: the kernel geometry (each name once, none also a tuning knob)."""
+    out = {module: _knobs(g, f"geometry.{module}") for module, g in raw.items()}
+    names = [k for g in out.values() for k in g] + [k for e in tuning.values() for k in e.get("defines", {})]
+    if len(names) != len(set(names)):
+        raise ConfigError(CONFIG_PATH, "geometry", "each NQ_* name once across geometry and tuning",
+                          sorted({k for k in names if names.count(k) > 1}))
+    return out
+
+
+@dataclass(frozen=True)
 class Config:
     models: dict  # name -> ModelDims (a plain dict inside a frozen dataclass: never mutated)
     supported: Supported
@@ -356,6 +435,8 @@ class Config:
     benchmark: BenchProtocol
     validation: ValidationSpec
     tokenizer: TokenizerSpec
+    tuning: dict  # kernel module -> TuningEntry (a plain dict inside a frozen dataclass: never mutated)
+    geometry: dict  # kernel module -> {NQ_NAME: int} (the same)
 
     def model(self, name: str) -> ModelDims:
         if name not in self.models:
@@ -386,7 +467,14 @@ def load() -> Config:
         benchmark=_build(BenchProtocol, raw["benchmark"]),
         validation=_build(ValidationSpec, raw["validation"]),
         tokenizer=_build(TokenizerSpec, raw["tokenizer"]),
+        tuning=_tuning(raw["tuning"]),
+        geometry=_geometry(raw["geometry"], raw["tuning"]),
     )
+
+
+def tuning_defines() -> dict[str, int]:
+    """Every kernel's tuning knobs at their defaults (nanoqwen.yaml `tuning:`, all modules)."""
+    return {k: v for e in load().tuning.values() for k, v in e.defines.items()}
 
 
 def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
@@ -396,6 +484,7 @@ def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
         "NQ_GROUP_SIZE": cfg.format.group_size,
         "NQ_ALIGN": cfg.format.alignment,
         "NQ_LAYOUT_ID": cfg.format.layout_id,
+        "NQ_FP8_LAYOUT_ID": cfg.format.fp8_layout_id,
         "NQ_FP8_MAX": int(cfg.format.fp8_max),
         "NQ_PAGE_TOKENS": cfg.kv_cache.page_tokens,
         "NQ_KV_DTYPE_BYTES": cfg.kv_cache.dtype_bytes,
@@ -403,6 +492,8 @@ def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
         # device-resident scalars of the decode step: one int32 per 128-byte line
         "NQ_SCALAR_STRIDE": cfg.format.alignment // 4,
     }
+    d.update(tuning_defines())
+    d.update({k: v for g in cfg.geometry.values() for k, v in g.items()})
     if dims is not None:
         d.update({
             "NQ_HIDDEN": dims.hidden,

@@ -1,4 +1,4 @@
-"""RoPE + append and paged attention on the GPU, against NumPy references; the buggy variant.
+"""RoPE + append and paged attention on the GPU, against NumPy references.
 
 * rope_append_kv vs reference.rope_tables / apply_rope: q, k rotated, k and v in their slot,
   every other slot of the NaN-poisoned pool untouched.
@@ -6,21 +6,14 @@
   physical pages of a NaN-poisoned pool, output and split workspace poisoned before the
   launch, every element checked; contexts 1 .. 8300 on the 7B heads (28/4, d 128) and on
   head_dim 64 (14/2), several grid sizes (the ring wraps many times with max_splits = 1).
-* NQ_ATTN_BUGGY_SYNC=1: right without a tail page (48), wrong on the tail page (49), run in
-  a subprocess with a timeout in case it hangs; compute-sanitizer flags it and finds the
-  fixed kernel clean (memcheck, racecheck, synccheck) when it is on PATH. Seen on an H200:
-  wrong in every run with 64 splits, in none with 1 split (the race hides); no hang;
-  racecheck flags it, synccheck does not (sm_90).
+(The lab's buggy variant, kernels/lab/paged_attention_buggy.cu, is tested in test_gpu_lab.py.)
 The first three tests check the test's own helpers on the CPU.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +26,7 @@ from nanoqwen_lib.gpu.ops_attention import rope_inv_freq
 from nanoqwen_lib.model.kvcache import attention_ref_f64, attention_tolerance, random_paged_case
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOL = ROOT / "tools" / "sanitize_attention.py"
+TOOL = ROOT / "tools" / "sanitize_attention.py"   # test_gpu_lab.py runs it on the lab's buggy variant
 CONFIGS = ("7b", "tiny-hd64")
 CONTEXTS = (1, 15, 16, 17, 49, 512, 2000, 8300)
 gpu = pytest.mark.gpu
@@ -161,41 +154,7 @@ def test_launcher_refuses_bad_buffers():
             kernels(d).paged_attention(**{**ok, key: value}, ws=ws)
 
 
-# ---------------------------------------------------------------- the bug of the original runtime
-@gpu
-@needs_gpu
-def test_buggy_variant_is_right_without_a_tail_page():
-    """48 tokens = 3 whole pages: the buggy tail path is never taken."""
-    got, ref = run_attention("7b", 48, 64, seed=48, buggy=True)
-    assert (np.abs(got - ref) <= attention_tolerance(ref)).all()
-
-
-def run_tool(variant, runs, splits, timeout):
-    cmd = [sys.executable, str(TOOL), "--variant", variant, "--ctx", "49", "--runs", str(runs),
-           "--max-splits", splits, "--json"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return None                                           # hang
-    assert r.returncode == 0, r.stderr[-3000:]
-    return {row["max_splits"]: row for row in map(json.loads, re.findall(r"^\{.*\}$", r.stdout, re.M))}
-
-
-@gpu
-@needs_gpu
-def test_buggy_variant_is_wrong_on_the_tail_page():
-    """Length 49, fresh inputs each run. With 64 splits the tail page is alone in its CTA and
-    its consumers read the stage before the producer's stores land; with 1 split the tail
-    page is the ring's first reuse of stage 0 (reported, not asserted: a race may hide)."""
-    fixed = run_tool("fixed", 4, "64,1", timeout=60)
-    buggy = run_tool("buggy", 8, "64,1", timeout=60)
-    print("fixed:", fixed, "\nbuggy:", buggy if buggy is not None else "HANG (timeout)")
-    assert fixed is not None and all(r["wrong_runs"] == 0 for r in fixed.values()), fixed
-    if buggy is None:
-        return                                                # a hang is the bug showing, too
-    assert buggy[64]["wrong_runs"] >= 1, f"the buggy variant matched the reference in all runs: {buggy}"
-
-
+# ---------------------------------------------------------------- compute-sanitizer (test_gpu_lab.py, chapter 6)
 def sanitizer_path():
     return shutil.which("compute-sanitizer") or next(
         (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
@@ -203,34 +162,3 @@ def sanitizer_path():
 
 def flagged(out: str, rc: int) -> bool:
     return rc == 3 or bool(re.search(r"(ERROR|RACECHECK) SUMMARY: [1-9]", out)) or "Barrier error" in out
-
-
-@gpu
-@needs_gpu
-def test_compute_sanitizer_flags_the_bug_and_passes_the_fix(tmp_path):
-    cs = sanitizer_path()
-    if cs is None:
-        pytest.skip("compute-sanitizer is not on PATH")
-    runs = [("fixed", "memcheck"), ("fixed", "racecheck"), ("fixed", "synccheck"),
-            ("buggy", "racecheck"), ("buggy", "synccheck")]
-    procs = {key: subprocess.Popen([cs, "--tool", key[1], "--error-exitcode", "3", sys.executable, str(TOOL),
-                                    "--variant", key[0], "--max-splits", "64"], cwd=ROOT, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for key in runs}
-    results = {}
-    for key, p in procs.items():
-        try:
-            out, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            out += "\n<timeout>"
-        results[key] = (out, p.returncode)
-    log_dir = Path(os.environ.get("NQ_SANITIZER_LOGS", tmp_path))
-    with open(log_dir / "sanitizer.log", "w") as f:
-        for (variant, tool), (out, rc) in results.items():
-            f.write(f"===== {variant} {tool} rc={rc} flagged={flagged(out, rc)}\n{out}\n")
-    for tool in ("memcheck", "racecheck", "synccheck"):
-        out, rc = results[("fixed", tool)]
-        assert rc == 0 and not flagged(out, rc) and "SUMMARY: 0" in out, f"fixed, {tool}:\n{out[-3000:]}"
-    assert any(flagged(*results[("buggy", t)]) for t in ("racecheck", "synccheck")), \
-        "neither racecheck nor synccheck flagged the buggy variant"

@@ -27,6 +27,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen_lib.gpu import ops_fp8  # noqa: E402
+from nanoqwen_lib.gpu.lab import fp8 as lab_fp8
 from .gpu_cases import SHAPES_7B, TINY16, U16  # noqa: E402
 
 FINITE_CODES = np.flatnonzero(np.isfinite(quant.E4M3_VALUES)).astype(np.uint8)
@@ -97,7 +98,7 @@ def test_quantize_rows_bit_exact(rng, t, k):
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944), (130, 896)])
 def test_gemm_fp8(rng, t, n, k, impl):
     """Both kernels of one contract: mma_sync (emulated on sm_90) and wgmma (sm_90a, QGMMA).
-    The wgmma case is the layout probe of kernels/wgmma_fp8.cu: a wrong descriptor or
+    The wgmma case is the layout probe of kernels/lab/wgmma_fp8.cu: a wrong descriptor or
     fragment map is off by the whole sum, and the first mismatches are printed."""
     if t == 512 and k == 18944:
         pytest.skip("covered by smaller T at this shape (host reference time)")
@@ -108,8 +109,11 @@ def test_gemm_fp8(rng, t, n, k, impl):
     bias = rng.standard_normal(n).astype(np.float16)
     res = rng.standard_normal((t, n)).astype(np.float16)
     out = cp.full((t, n), np.nan, cp.float16)
-    ops_fp8.gemm_fp8(cp.asarray(xq), cp.asarray(ts), cp.asarray(codes), cp.asarray(scales), out,
-                     bias=cp.asarray(bias), residual=cp.asarray(res), impl=impl)
+    args = (cp.asarray(xq), cp.asarray(ts), cp.asarray(codes), cp.asarray(scales), out)
+    if impl == "mma_sync":      # the engine's launcher
+        ops_fp8.gemm_fp8(*args, bias=cp.asarray(bias), residual=cp.asarray(res))
+    else:                       # the lab's wgmma kernel
+        lab_fp8.gemm_fp8(*args, bias=cp.asarray(bias), residual=cp.asarray(res), impl=impl)
     a = cp.asarray(quant.E4M3_VALUES[xq].astype(np.float64))
     w = cp.asarray(quant.E4M3_VALUES[codes].astype(np.float64))
     s = cp.asarray(ts.astype(np.float64))[:, None] * cp.asarray(scales.astype(np.float64))[None, :]

@@ -33,6 +33,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen_lib.gpu import ops_gemv  # noqa: E402
+from nanoqwen_lib.gpu.lab import gemv as lab_gemv  # run_gemv: the lab's versions (tests/test_gpu_lab.py)
 from .gpu_cases import SHAPES_7B, TINY16, U16, rand_int4
 
 ODD = [(n, k) for n in (1, 7, 130, 1000) for k in (128, 384, 1152)]
@@ -92,6 +93,9 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
     res = rng.standard_normal(n).astype(np.float16) if residual else None
     out = poisoned(n)
     extra = 0.0
+    # The engine's launcher (ops_gemv) for its own kernel; the lab's for the other versions.
+    lab_kw = {} if impl in (None, "tiles") and ctas is None else {"impl": impl, "ctas": ctas}
+    launch = lab_gemv if lab_kw else ops_gemv
     if launcher == "swiglu":
         gu = (rng.standard_normal(2 * k) * 2).astype(np.float16)
         g32, u32 = gu[:k].astype(np.float32), gu[k:].astype(np.float32)
@@ -102,16 +106,15 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
         alt = np.maximum(np.abs((a32 * np.float32(1 - 2**-20)).astype(np.float16).astype(np.float64) - act),
                          np.abs((a32 * np.float32(1 + 2**-20)).astype(np.float16).astype(np.float64) - act))
         x64 = act.astype(np.float64)
-        ops_gemv.gemv_int4_swiglu(dev(gu), dev(words), dev(scales), out,
-                                  residual=None if res is None else dev(res), bias=None if b is None else dev(b),
-                                  ksplit=ksplit, tuning=tuning, impl=impl, ctas=ctas)
+        launch.gemv_int4_swiglu(dev(gu), dev(words), dev(scales), out,
+                                residual=None if res is None else dev(res), bias=None if b is None else dev(b),
+                                ksplit=ksplit, tuning=tuning, **lab_kw)
         extra = ref_matvec(words, scales, alt)[1] if alt.any() else 0.0
     else:
         x = rng.standard_normal(k).astype(np.float16)
         x64 = x.astype(np.float64)
-        ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), out, bias=None if b is None else dev(b),
-                           residual=None if res is None else dev(res), ksplit=ksplit, tuning=tuning,
-                           impl=impl, ctas=ctas)
+        launch.gemv_int4(dev(x), dev(words), dev(scales), out, bias=None if b is None else dev(b),
+                         residual=None if res is None else dev(res), ksplit=ksplit, tuning=tuning, **lab_kw)
     dot, absdot = ref_matvec(words, scales, x64)
     if (tuning or {}).get("NQ_GEMV_FOLD"):
         extra = extra + FOLD_ACC * fold_magnitude(scales, x64)
@@ -121,87 +124,59 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
                        2.0 ** -18, extra)
 
 
-IMPLS = ["tiles", "stream", "bulk"]
-IMPLS_DP4A = ["tiles", "stream"]        # no bulk dp4a kernel
-
-
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", list(SHAPES_7B))
-def test_gemv_int4_7b(rng, shape, impl):
+def test_gemv_int4_7b(rng, shape):
     n, k = SHAPES_7B[shape]
-    run_gemv(rng, n, k, bias=shape == "qkv", residual=shape in ("o_proj", "down"), impl=impl)
+    run_gemv(rng, n, k, bias=shape == "qkv", residual=shape in ("o_proj", "down"))
 
 
-# tiles: split-K off, automatic, one group per slice; stream: automatic grid, one CTA (every
-# warp streams several tiles), 7 CTAs (many warps share each tile, some own nothing).
+# split-K off, automatic, one group per slice.
 @pytest.mark.parametrize("n,k", ODD)
-@pytest.mark.parametrize("impl,ksplit,ctas", [("tiles", None, None), ("tiles", 1, None), ("tiles", "max", None),
-                                              ("stream", None, None), ("stream", None, 1), ("stream", None, 7),
-                                              ("bulk", None, None), ("bulk", 1, None), ("bulk", "max", None),
-                                              ("bulk", None, 1), ("bulk", None, 7)])
-def test_gemv_int4_odd(rng, n, k, impl, ksplit, ctas):
+@pytest.mark.parametrize("ksplit", [None, 1, "max"])
+def test_gemv_int4_odd(rng, n, k, ksplit):
     s = k // 128 if ksplit == "max" else ksplit
-    run_gemv(rng, n, k, bias=(n + k) % 2 == 0, residual=n % 2 == 1, ksplit=s, impl=impl, ctas=ctas)
+    run_gemv(rng, n, k, bias=(n + k) % 2 == 0, residual=n % 2 == 1, ksplit=s)
 
 
-@pytest.mark.parametrize("impl,tuning", [("tiles", {"NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_WARPS": 8}), ("tiles", {"NQ_GEMV_WARPS": 2}),
-                                         ("tiles", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_BRANCHLESS": 0}),
-                                         ("stream", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}),
-                                         ("stream", {"NQ_GEMV_STREAM_RING": 8}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_BRANCHLESS": 0}),
-                                         ("stream", {"NQ_GEMV_FOLD": 1}),
-                                         ("stream", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_STREAM_WARPS": 8,
-                                                     "NQ_GEMV_STREAM_RING": 8}),
-                                         ("bulk", {"NQ_GEMV_FOLD": 1}),
-                                         ("bulk", {"NQ_BULK_STAGES": 2, "NQ_BULK_GROUPS": 16}),
-                                         ("bulk", {"NQ_BULK_STAGES": 8, "NQ_BULK_GROUPS": 4}),
-                                         ("bulk", {"NQ_BULK_STAGES": 3, "NQ_BULK_GROUPS": 5, "NQ_GEMV_FOLD": 1}),
-                                         ("bulk", {"NQ_BULK_CONSUMER_WARPS": 8, "NQ_GEMV_FOLD": 1}),
-                                         ("bulk", {"NQ_BULK_CONSUMER_WARPS": 8, "NQ_BULK_GROUPS": 5}),
-                                         ("bulk", {"NQ_BULK_WAIT_NS": 10_000_000, "NQ_GEMV_FOLD": 1})])
+# The tiles kernel at the tuning knobs the 7B table and the fallback use, and neighbours.
+TILES_TUNINGS = [{"NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_WARPS": 8},
+                 {"NQ_GEMV_WARPS": 2}, {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_FOLD": 1},
+                 {"NQ_GEMV_FOLD": 1, "NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2},
+                 {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}]
+
+
+@pytest.mark.parametrize("tuning", TILES_TUNINGS)
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 3584, None), (130, 1152, 3), (1000, 18944, None)])
-def test_gemv_int4_tuning_variants(rng, impl, tuning, n, k, ksplit):
-    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning=tuning, impl=impl)
+def test_gemv_int4_tuning_variants(rng, tuning, n, k, ksplit):
+    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning=tuning)
 
 
-@pytest.mark.parametrize("impl,ksplit", [("tiles", None), ("tiles", 1), ("stream", None), ("bulk", None), ("bulk", 1)])
-def test_gemv_int4_residual_in_place(rng, impl, ksplit):
+@pytest.mark.parametrize("ksplit", [None, 1])
+def test_gemv_int4_residual_in_place(rng, ksplit):
     n = k = 3584
     words, scales = rand_int4(rng, n, k)
     x = rng.standard_normal(k).astype(np.float16)
     res = rng.standard_normal(n).astype(np.float16)
     io = dev(res)
-    ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), io, residual=io, ksplit=ksplit, impl=impl)
+    ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), io, residual=io, ksplit=ksplit)
     dot, absdot = ref_matvec(words, scales, x.astype(np.float64))
     check_close("in-place residual", io.get(), dot + res.astype(np.float64), absdot, 2.0 ** -18)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, None), (130, 384, 1), (7, 1152, 3), (1000, 1152, None)])
-def test_gemv_int4_swiglu(rng, n, k, ksplit, impl):
-    run_gemv(rng, n, k, bias=False, residual=True, ksplit=ksplit, launcher="swiglu", impl=impl)
+def test_gemv_int4_swiglu(rng, n, k, ksplit):
+    run_gemv(rng, n, k, bias=False, residual=True, ksplit=ksplit, launcher="swiglu")
 
 
-@pytest.mark.parametrize("impl,tuning", [("tiles", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_WARPS": 2}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
-                                         ("tiles", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}),
-                                         ("stream", {"NQ_GEMV_FOLD": 1}),
-                                         ("bulk", {"NQ_GEMV_FOLD": 1}),
-                                         ("bulk", {"NQ_GEMV_FOLD": 1, "NQ_BULK_CONSUMER_WARPS": 8})])
+SWIGLU_TUNINGS = [{"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_WARPS": 2}, {"NQ_GEMV_FOLD": 1},
+                  {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2},
+                  {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}, {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 2}]
+
+
+@pytest.mark.parametrize("tuning", SWIGLU_TUNINGS)
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, 5), (130, 1152, 1)])
-def test_gemv_int4_swiglu_tuning_variants(rng, impl, tuning, n, k, ksplit):
-    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, launcher="swiglu", tuning=tuning, impl=impl)
+def test_gemv_int4_swiglu_tuning_variants(rng, tuning, n, k, ksplit):
+    run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, launcher="swiglu", tuning=tuning)
 
 
 def test_launcher_refuses_bad_buffers():
@@ -216,39 +191,6 @@ def test_launcher_refuses_bad_buffers():
 
 
 # ---- the dp4a path --------------------------------------------------------------------------
-def ref_quantize(x):
-    """x fp16 [K] -> (int8 [K] natural order, fp32 scales [K/128]), the kernel's rules."""
-    xg = x.astype(np.float32).reshape(-1, 128)
-    s = (np.abs(xg).max(axis=1) / np.float32(127)).astype(np.float32)
-    safe = np.where(s > 0, s, np.float32(1))
-    q = np.where(s[:, None] > 0, np.rint(xg / safe[:, None]), 0).astype(np.int8)
-    return q.reshape(-1), s
-
-
-DP4A_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])   # stored byte j of each run of 8 holds q[order[j]]
-
-
-@pytest.mark.parametrize("impl", IMPLS_DP4A)
-@pytest.mark.parametrize("n,k", [SHAPES_7B[s] for s in SHAPES_7B] + [(7, 128), (130, 384), (1000, 1152)])
-def test_gemv_int4_dp4a(rng, n, k, impl):
-    words, scales = rand_int4(rng, n, k)
-    x = rng.standard_normal(k).astype(np.float16)
-    x[:128] = 0 if k > 128 else x[:128]                  # an all-zero group: scale 0
-    x[-100] = np.float16(60000)                          # one large value in a group
-    b, res = rng.standard_normal(n).astype(np.float16), rng.standard_normal(n).astype(np.float16)
-    xq, xs = cp.zeros(k, cp.int8), cp.full(k // 128, np.nan, cp.float32)
-    ops_gemv.quantize_act_int8(dev(x), xq, xs)
-    q_ref, s_ref = ref_quantize(x)
-    np.testing.assert_array_equal(xs.get(), s_ref)
-    np.testing.assert_array_equal(xq.get().reshape(-1, 8), q_ref.reshape(-1, 8)[:, DP4A_ORDER])
-    out = poisoned(n)
-    ops_gemv.gemv_int4_dp4a(xq, xs, dev(words), dev(scales), out, bias=dev(b), residual=dev(res), impl=impl)
-    xdq = (q_ref.astype(np.float64).reshape(-1, 128) * s_ref.astype(np.float64)[:, None]).reshape(-1)
-    dot, absdot = ref_matvec(words, scales, xdq)        # its own exact reference: int8 activations
-    ref = res.astype(np.float64) + (dot + b.astype(np.float64))
-    check_close(f"dp4a N={n} K={k}", out.get(), ref, absdot, 2.0 ** -18)
-
-
 # ---- rmsnorm, embed, lm_head, argmax ---------------------------------------------------------
 @pytest.mark.parametrize("h", [3584, 896, 128])
 def test_rmsnorm(rng, h):

@@ -1,7 +1,8 @@
 """Every kernel compiles for sm_90 through NVRTC, with no GPU, with the runtime's options.
 
-Each kernels/*.cu is built for the `7b` and `tiny` dims, and for `7b` once more with each
-extra-define set its header names on a `// nq-variants: A=1[,B=2]; C=3` line. The ptxas
+Each kernels/*.cu and kernels/lab/*.cu is built for the `7b` and `tiny` dims, and for `7b`
+once more with each extra-define set its header names on a `// nq-variants: A=1[,B=2]; C=3`
+line. Every tuning knob comes from nanoqwen.yaml: a build that misses one stops at its #error. The ptxas
 report (registers, stack frame, spills) is printed (`pytest -s` shows it); the hot kernels
 (the GEMVs and the lm_head) must not spill.
 """
@@ -17,6 +18,8 @@ from nanoqwen_lib.gpu import cuda_build
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 KERNELS = sorted(p.stem for p in cuda_build.KERNEL_DIR.glob("*.cu"))
+LAB = sorted(f"lab/{p.stem}" for p in (cuda_build.KERNEL_DIR / "lab").glob("*.cu"))
+ALL = KERNELS + LAB
 HOT = re.compile(r"^nq_(gemv|lm_head)")
 
 
@@ -48,8 +51,8 @@ def entries(log: str) -> dict[str, dict]:
     return out
 
 
-CASES = [(name, dims, {}) for name in KERNELS for dims in ("7b", "tiny")] + \
-        [(name, "7b", v) for name in KERNELS for v in variants(name)]
+CASES = [(name, dims, {}) for name in ALL for dims in ("7b", "tiny")] + \
+        [(name, "7b", v) for name in ALL for v in variants(name)]
 
 
 @pytest.mark.parametrize("name,dims,extra", CASES,
@@ -107,3 +110,124 @@ def test_sass_of_the_hot_loops():
     assert per_weight < 3.7, per_weight
     fp8 = collections.Counter(max(cuda_build.sass_loops(cuda_build.sass("fp8"), "nq_gemv_fp8"), key=len))
     assert any(k.startswith("F2FP.F16.E4M3.UNPACK") for k in fp8), fp8.most_common(5)
+
+
+def test_lab_files_say_what_they_are():
+    """Every lab kernel file opens with a line naming itself and saying what it is, and the
+    engines' directory holds no lab variant knob."""
+    assert LAB, "kernels/lab/ holds the earlier and experimental versions"
+    for name in LAB:
+        first = cuda_build.kernel_source(name).splitlines()[0]
+        assert first.startswith(f"// {name}.cu: ") and len(first) > len(name) + 20, (name, first)
+    for name in KERNELS:
+        src = cuda_build.kernel_source(name)
+        for knob in ("NQ_GEMV_BRANCHLESS", "NQ_BULK_", "NQ_GEMV_STREAM_", "NQ_ATTN_BUGGY_SYNC"):
+            assert knob not in src, f"kernels/{name}.cu still carries the lab knob {knob}"
+
+
+def guarded_knobs(name: str) -> list[str]:
+    """The NQ_* knobs kernels/<name>.cu (with the headers it includes from kernels/) requires
+    through `#ifndef NQ_X` + `#error`."""
+    seen, todo, knobs = set(), [cuda_build.KERNEL_DIR / f"{name}.cu"], []
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.add(path)
+        src = path.read_text()
+        todo += [cuda_build.KERNEL_DIR / inc for inc in re.findall(r'#include "([^"]+)"', src)]
+        knobs += re.findall(r"#ifndef (NQ_\w+)[^\n]*\n#error", src)
+    return sorted(set(knobs))
+
+
+def compile_without(name: str, knob: str) -> str:
+    """NVRTC's log for kernels/<name>.cu built with the runtime's options minus -D<knob>."""
+    from cupy_backends.cuda.libs import nvrtc
+    opts = [o for o in cuda_build.compile_options(config.load().model("7b"), arch=cuda_build.kernel_arch(name))
+            if not o.startswith(f"-D{knob}=")]
+    prog = nvrtc.createProgram(cuda_build.kernel_source(name), f"{name}.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, opts)
+        return ""
+    except nvrtc.NVRTCError:
+        return nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+TUNED = [(name, knob) for name in ALL for knob in guarded_knobs(name)
+         if knob in config.tuning_defines()]
+
+
+def test_every_tuning_knob_is_guarded_and_configured():
+    """Each knob of nanoqwen.yaml `tuning:` is required by some kernel file, and every
+    #error-guarded NQ_* name of a kernel is set by config.cuda_defines."""
+    guarded = {k for name in ALL for k in guarded_knobs(name)}
+    assert set(config.tuning_defines()) <= guarded, set(config.tuning_defines()) - guarded
+    assert guarded <= set(config.cuda_defines(config.load().model("7b"))), \
+        guarded - set(config.cuda_defines(config.load().model("7b")))
+
+
+@pytest.mark.parametrize("name,knob", TUNED, ids=[f"{n}-{k}" for n, k in TUNED])
+def test_a_missing_knob_fails_to_compile(name, knob):
+    log = compile_without(name, knob)
+    assert log, f"kernels/{name}.cu compiled without -D{knob}"
+    assert f"{knob}: set by nanoqwen_lib.config (nanoqwen.yaml tuning)" in log, log[-2000:]
+
+
+def test_tuning_table_entries_name_a_commit_or_unmeasured():
+    for module, e in config.load().tuning.items():
+        assert (cuda_build.KERNEL_DIR / f"{module}.cu").exists(), module
+        for when in [e.measured_at] + [s.measured_at for s in e.shapes]:
+            assert when == "unmeasured" or re.fullmatch(r"[0-9a-f]{7,40}", when), (module, when)
+
+
+def test_hopper_primitives_reach_the_sass():
+    """Every wrapper of kernels/hopper.cuh, used once in kernels/lab/hopper_probe.cu, becomes
+    its Hopper instruction (nvdisasm, no GPU): nothing is dropped or lowered to something else."""
+    if cuda_build.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (the cuda13 extra brings it)")
+    text = cuda_build.sass("lab/hopper_probe")
+    ops = set(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", text))
+    want = {"tensor_copy_2d_g2s": "UTMALDG.2D", "prefetch_tensor_map": "UTMACCTL.PF", "bulk_copy_g2s": "UBLKCP.S.G",
+            "mbar_arrive_expect_tx": "SYNCS.ARRIVE.TRANS64", "mbar_wait": "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+            "fence_proxy_async_smem": "FENCE.VIEW.ASYNC.S", "mma_16816": "HMMA.16816.F32",
+            "wgmma (smem_desc operands)": "QGMMA.64x64x32.F32.E4M3.E4M3", "wgmma_fence": "WARPGROUP.ARRIVE",
+            "wgmma_wait": "WARPGROUP.DEPBAR.LE", "setmaxnreg_dec": "USETMAXREG.DEALLOC.CTAPOOL",
+            "setmaxnreg_inc": "USETMAXREG.TRY_ALLOC.CTAPOOL"}
+    missing = {fn: op for fn, op in want.items() if op not in ops}
+    assert not missing, f"hopper.cuh wrappers without their instruction: {missing}\n{sorted(ops)}"
+
+
+@pytest.mark.parametrize("name,layout", [("fp8", "NQ_FP8_LAYOUT_ID"), ("gemv_int4", "NQ_LAYOUT_ID"),
+                                         ("prefill_gemm", "NQ_LAYOUT_ID")])
+def test_each_kernel_asserts_its_own_layout(name, layout):
+    """The INT4 kernels check the INT4 layout id, the FP8 kernels the FP8 one, neither the other's."""
+    dims = config.load().model("7b")
+    other = {"NQ_LAYOUT_ID", "NQ_FP8_LAYOUT_ID"} - {layout}
+    cuda_build.compile_cubin(name, dims, {k: 99 for k in other})        # the other encoding's id: no concern
+    with pytest.raises(RuntimeError, match="layout"):
+        cuda_build.compile_cubin(name, dims, {layout: 99})
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda raw: raw["tuning"]["gemv_int4"]["defines"].update(NQ_GEMV_WARPS="four"), "tuning.gemv_int4.defines"),
+    (lambda raw: raw["tuning"]["lm_head"].pop("measured_at"), "tuning.lm_head"),
+    (lambda raw: raw["tuning"]["gemv_int4"]["shapes"][0].update(n="qkv_dims"), "tuning.gemv_int4.shapes[0].n"),
+    (lambda raw: raw["geometry"]["fp8"].update(NQ_GEMV_WARPS=4), "geometry"),          # a knob named twice
+])
+def test_a_bad_tuning_table_is_refused_naming_the_field(tmp_path, monkeypatch, edit, field):
+    import yaml
+    from nanoqwen_lib.errors import ConfigError
+    raw = yaml.safe_load(config.CONFIG_PATH.read_text())
+    edit(raw)
+    bad = tmp_path / "nanoqwen.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr(config, "CONFIG_PATH", bad)
+    config.load.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            config.load()
+    finally:
+        monkeypatch.undo()
+        config.load.cache_clear()

@@ -22,6 +22,7 @@ import cupy as cp  # noqa: E402
 from nanoqwen_lib import config  # noqa: E402
 from nanoqwen_lib.format import layout
 from nanoqwen_lib.gpu import ops_gemv
+from nanoqwen_lib.gpu.lab import gemv as lab_gemv
 from nanoqwen_lib.measure import timing
 
 DIMS = config.load().model("7b")
@@ -32,7 +33,7 @@ STREAM_VARIANTS = (("16w x1", {}, 1), ("16w x1 ring8", {"NQ_GEMV_STREAM_RING": 8
                    ("8w x2", {"NQ_GEMV_STREAM_WARPS": 8}, 2),
                    ("8w x2 ring8", {"NQ_GEMV_STREAM_WARPS": 8, "NQ_GEMV_STREAM_RING": 8}, 2),
                    ("8w x3", {"NQ_GEMV_STREAM_WARPS": 8}, 3))
-# v5 bulk (persistent, cp.async.bulk ring): (label, tuning); ksplit and grid from ops_gemv.plan_bulk.
+# v5 bulk (persistent, cp.async.bulk ring): (label, tuning); ksplit and grid from lab_gemv.plan_bulk.
 BULK_VARIANTS = (("bulk", {}), ("bulk FOLD", {"NQ_GEMV_FOLD": 1}),
                  ("bulk S6 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 6}),
                  ("bulk S8 G4 FOLD", {"NQ_GEMV_FOLD": 1, "NQ_BULK_STAGES": 8, "NQ_BULK_GROUPS": 4}),
@@ -50,7 +51,8 @@ BULK_COPY_ONLY = (("bulk copy-only (roofline, no math)", {"NQ_BULK_COPY_ONLY": 1
                   ("bulk copy-only S8 (roofline)", {"NQ_BULK_COPY_ONLY": 1, "NQ_BULK_STAGES": 8}),
                   ("bulk copy-only S3 G16 (roofline)", {"NQ_BULK_COPY_ONLY": 1, "NQ_BULK_STAGES": 3,
                                                         "NQ_BULK_GROUPS": 16}))
-VARIANTS = (("v1 guarded", {"NQ_GEMV_BRANCHLESS": 0}), ("U2", {"NQ_GEMV_UNROLL": 2}),
+V1 = ("v1 guarded", {})   # kernels/lab/gemv_v1.cu (impl="v1")
+VARIANTS = (("U2", {"NQ_GEMV_UNROLL": 2}),
             ("W2", {"NQ_GEMV_WARPS": 2}), ("W8", {"NQ_GEMV_WARPS": 8}),
             ("W8 U2", {"NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}), ("MT2 U2", {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}),
             ("FOLD", {"NQ_GEMV_FOLD": 1}), ("FOLD U2", {"NQ_GEMV_FOLD": 1, "NQ_GEMV_UNROLL": 2}),
@@ -109,55 +111,56 @@ def bench_shape(name, n, k, ceiling, l2, quick, bulk_only=False):
 
     auto = ops_gemv.gemv_config("gemv_int4", n, k)[1]      # the launcher's own choice (tuned table)
     if bulk_only:           # the tuned default against every bulk variant and the copy-only roofline
-        run("prmt-mma", lambda q, s: ops_gemv.gemv_int4(x, q, s, out, **kw), ksplit=auto)
+        run("prmt-mma", lambda q, s: lab_gemv.gemv_int4(x, q, s, out, **kw), ksplit=auto)
         for label, tv in BULK_VARIANTS + BULK_COPY_ONLY:
-            run(label, lambda q, s, t=tv: ops_gemv.gemv_int4(x, q, s, out, tuning=t, impl="bulk", **kw))
+            run(label, lambda q, s, t=tv: lab_gemv.gemv_int4(x, q, s, out, tuning=t, impl="bulk", **kw))
         return
-    t = timing.time_cuda(rotating(lambda q, s: ops_gemv.gemv_int4(x, q, s, out, **kw), copies),
+    t = timing.time_cuda(rotating(lambda q, s: lab_gemv.gemv_int4(x, q, s, out, **kw), copies),
                          **{**t_args, "graph": False})
     record(name, "prmt-mma eager (host-bound)", t, nbytes, ceiling, ksplit=auto)
-    run("prmt-mma", lambda q, s: ops_gemv.gemv_int4(x, q, s, out, **kw), ksplit=auto)
+    run("prmt-mma", lambda q, s: lab_gemv.gemv_int4(x, q, s, out, **kw), ksplit=auto)
     groups = k // 128
     for s_ in (1, 2, 3, 4, 6, 8, 12):
         if s_ != auto and s_ <= groups and -(-groups // s_) <= ops_gemv.SPLIT_MAX_CTA_GROUPS and not quick:
-            run(f"prmt-mma fallback ks={s_}", lambda q, s, s_=s_: ops_gemv.gemv_int4(x, q, s, out, ksplit=s_, **kw),
+            run(f"prmt-mma fallback ks={s_}", lambda q, s, s_=s_: lab_gemv.gemv_int4(x, q, s, out, ksplit=s_, **kw),
                 ksplit=s_)
+    run(f"prmt-mma {V1[0]}", lambda q, s: lab_gemv.gemv_int4(x, q, s, out, impl="v1", **kw), ksplit=auto)
     for label, tv in VARIANTS:
         tuning = {**ops_gemv.GEMV_TUNING, **tv}
         s_auto = ops_gemv.plan_split(n, k, tuning)
-        run(f"prmt-mma {label}", lambda q, s, t=tuning: ops_gemv.gemv_int4(x, q, s, out, tuning=t, **kw), ksplit=s_auto)
+        run(f"prmt-mma {label}", lambda q, s, t=tuning: lab_gemv.gemv_int4(x, q, s, out, tuning=t, **kw), ksplit=s_auto)
     for label, tv, cps in STREAM_VARIANTS:
         tuning = {**ops_gemv.GEMV_TUNING, **tv}
         g = cps * ops_gemv.num_sms()
-        run(f"stream {label}", lambda q, s, t=tuning, g=g: ops_gemv.gemv_int4(x, q, s, out, tuning=t, impl="stream",
+        run(f"stream {label}", lambda q, s, t=tuning, g=g: lab_gemv.gemv_int4(x, q, s, out, tuning=t, impl="stream",
                                                                             ctas=g, **kw))
     for label, tv in BULK_VARIANTS:
-        run(label, lambda q, s, t=tv: ops_gemv.gemv_int4(x, q, s, out, tuning=t, impl="bulk", **kw))
+        run(label, lambda q, s, t=tv: lab_gemv.gemv_int4(x, q, s, out, tuning=t, impl="bulk", **kw))
     xq, xs = cp.zeros(k, cp.int8), cp.zeros(k // 128, cp.float32)
-    ops_gemv.quantize_act_int8(x, xq, xs)
-    run("dp4a (gemv only)", lambda q, s: ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, **kw), ksplit=auto)
-    run("dp4a (+quantize)", lambda q, s: (ops_gemv.quantize_act_int8(x, xq, xs),
-                                          ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, **kw)), ksplit=auto)
-    run("dp4a stream (gemv only)", lambda q, s: ops_gemv.gemv_int4_dp4a(xq, xs, q, s, out, impl="stream", **kw))
+    lab_gemv.quantize_act_int8(x, xq, xs)
+    run("dp4a (gemv only)", lambda q, s: lab_gemv.gemv_int4_dp4a(xq, xs, q, s, out, **kw), ksplit=auto)
+    run("dp4a (+quantize)", lambda q, s: (lab_gemv.quantize_act_int8(x, xq, xs),
+                                          lab_gemv.gemv_int4_dp4a(xq, xs, q, s, out, **kw)), ksplit=auto)
+    run("dp4a stream (gemv only)", lambda q, s: lab_gemv.gemv_int4_dp4a(xq, xs, q, s, out, impl="stream", **kw))
     if name == "down":
         auto = ops_gemv.gemv_config("gemv_int4_swiglu", n, k)[1]
         nb = wbytes + 2 * k * 2 + n * 4
-        run("swiglu", lambda q, s: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out), nb, ksplit=auto)
+        run("swiglu", lambda q, s: lab_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out), nb, ksplit=auto)
         for s_ in (2, 4, 6, 8):
             if s_ != auto:
-                run(f"swiglu ks={s_}", lambda q, s, s_=s_: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
+                run(f"swiglu ks={s_}", lambda q, s, s_=s_: lab_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
                                                                                    ksplit=s_), nb, ksplit=s_)
         for label, tv, cps in STREAM_VARIANTS:
             tuning = {**ops_gemv.GEMV_TUNING, **tv}
             g = cps * ops_gemv.num_sms()
-            run(f"swiglu stream {label}", lambda q, s, t=tuning, g=g: ops_gemv.gemv_int4_swiglu(
+            run(f"swiglu stream {label}", lambda q, s, t=tuning, g=g: lab_gemv.gemv_int4_swiglu(
                 gate_up, q, s, out, residual=out, tuning=t, impl="stream", ctas=g), nb)
         for label, tv in BULK_VARIANTS:
-            run(f"swiglu {label}", lambda q, s, t=tv: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
+            run(f"swiglu {label}", lambda q, s, t=tv: lab_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
                                                                               tuning=t, impl="bulk"), nb)
         for label, tv in VARIANTS:
             tuning = {**ops_gemv.GEMV_TUNING, **tv}
-            run(f"swiglu {label}", lambda q, s, t=tuning: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
+            run(f"swiglu {label}", lambda q, s, t=tuning: lab_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out,
                                                                                       tuning=t), nb,
                 ksplit=ops_gemv.plan_split(n, k, tuning))
     del copies
@@ -183,10 +186,10 @@ def bench_layer_chain(ceiling, l2, quick, impl):
     def layer():
         (wq, sq), (wo, so), (wg, sg), (wd, sd) = layers[state["l"] % len(layers)]
         state["l"] += 1
-        ops_gemv.gemv_int4(y, wq, sq, a_qkv, bias=bias, impl=impl)
-        ops_gemv.gemv_int4(attn, wo, so, xres, residual=xres, impl=impl)
-        ops_gemv.gemv_int4(y, wg, sg, gu, impl=impl)
-        ops_gemv.gemv_int4_swiglu(gu, wd, sd, xres, residual=xres, impl=impl)
+        lab_gemv.gemv_int4(y, wq, sq, a_qkv, bias=bias, impl=impl)
+        lab_gemv.gemv_int4(attn, wo, so, xres, residual=xres, impl=impl)
+        lab_gemv.gemv_int4(y, wg, sg, gu, impl=impl)
+        lab_gemv.gemv_int4_swiglu(gu, wd, sd, xres, residual=xres, impl=impl)
     nb = per_layer + 2 * (h * 2 + qkv * 2 * 2 + h * 2 * 2 + 2 * i * 2 * 2)
     t = timing.time_cuda(layer, warmup=3, iters=10 if quick else 20, inner=len(layers) * 2, graph=True)
     record("layer", f"4 GEMVs in one graph, {impl}", t, nb, ceiling)

@@ -154,6 +154,7 @@ def bench_fp8_gemms(dims, t, rng, warmup, reps):
     mma.sync on sm_90; wgmma: QGMMA on sm_90a). Weight bytes are one per weight."""
     import cupy as cp
     from nanoqwen_lib.gpu import ops_fp8
+    from nanoqwen_lib.gpu.lab import fp8 as lab_fp8
     rows = []
     for proj, (n, k) in layout.decode_gemv_shapes(dims).items():
         codes = cp.asarray(rng.integers(0, 0x7F, size=(n, k), dtype=np.uint8) | (rng.integers(0, 2, size=(n, k),
@@ -165,8 +166,8 @@ def bench_fp8_gemms(dims, t, rng, warmup, reps):
         us_q = median_us(lambda: ops_fp8.quantize_rows_fp8(x, xq, ts), warmup, reps)
         rows.append({"op": f"fp8 {proj} quantize x", "us": us_q, "tflops": 0.0, "pct_peak": 0.0,
                      "gbs": t * k * 3 / us_q / 1e3, "pct_bw": 100 * t * k * 3 / us_q / 1e6 / READ_TBPS})
-        for impl in ops_fp8.GEMM_IMPLS:
-            us = median_us(lambda: ops_fp8.gemm_fp8(xq, ts, codes, scales, out, impl=impl), warmup, reps)
+        for impl in lab_fp8.GEMM_IMPLS:
+            us = median_us(lambda: lab_fp8.gemm_fp8(xq, ts, codes, scales, out, impl=impl), warmup, reps)
             flops = 2.0 * t * n * k
             nbytes = t * k + n * k + n * 4 + t * n * 2
             rows.append({"op": f"fp8 {proj} {impl}", "us": us, "tflops": flops / us / 1e6,

@@ -18,7 +18,7 @@ import cupy as cp  # noqa: E402
 
 from nanoqwen_lib import config  # noqa: E402
 from nanoqwen_lib.format import layout
-from nanoqwen_lib.gpu import ops_gemv
+from nanoqwen_lib.gpu.lab import gemv as lab_gemv
 
 SHAPES = layout.decode_gemv_shapes(config.load().model("7b"))
 
@@ -26,7 +26,7 @@ SHAPES = layout.decode_gemv_shapes(config.load().model("7b"))
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shape", choices=SHAPES)
-    ap.add_argument("--impl", default=None, choices=ops_gemv.GEMV_IMPLS)
+    ap.add_argument("--impl", default=None, choices=lab_gemv.IMPLS)
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, a tuning knob")
     ap.add_argument("--launches", type=int, default=5)
     a = ap.parse_args(argv)
@@ -37,9 +37,9 @@ def main(argv=None) -> None:
     scales = cp.random.uniform(0.002, 0.02, size=(n, k // 128)).astype(cp.float16)
     out = cp.zeros(n, cp.float16)
     for _ in range(a.launches):
-        ops_gemv.gemv_int4(x, qw, scales, out, tuning=tuning, impl=a.impl)
+        lab_gemv.gemv_int4(x, qw, scales, out, tuning=tuning, impl=a.impl)
     cp.cuda.Device().synchronize()
-    print(f"{a.shape} {n}x{k} impl={a.impl or ops_gemv.GEMV_IMPL} tuning={tuning}: {a.launches} launches")
+    print(f"{a.shape} {n}x{k} impl={a.impl or 'tiles'} tuning={tuning}: {a.launches} launches")
 
 
 if __name__ == "__main__":

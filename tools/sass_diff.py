@@ -23,14 +23,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def configs(module: str) -> list[dict]:
-    """The -D sets the 7B engine builds a module with: the defaults, and for the INT4 GEMV
-    every tuned-table entry and the fallback."""
-    if module != "gemv_int4":
-        return [{}]
-    from nanoqwen_lib.gpu import ops_gemv
-    out = [dict(ops_gemv.GEMV_TUNING), {**ops_gemv.GEMV_TUNING, **ops_gemv.GEMV_FALLBACK}]
-    for tuning, _ in ops_gemv.tuned_table().values():
-        out.append({**ops_gemv.GEMV_TUNING, **tuning})
+    """The -D sets the 7B engine builds a module with, spelled out in full (this tree's
+    nanoqwen.yaml `tuning:`, so that a REV whose kernels held #ifndef defaults builds the same
+    configuration): every module's knobs at their defaults, and for the INT4 GEMV every
+    tuned-table entry and the fallback; the prefill GEMM at both tile heights it launches."""
+    from nanoqwen_lib import config
+    base = config.tuning_defines()
+    tuning = config.load().tuning
+    if module == "gemv_int4":
+        g = tuning["gemv_int4"]
+        out = [base, {**base, **g.fallback}] + [{**base, **s.defines} for s in g.shapes]
+    elif module == "prefill_gemm":
+        from nanoqwen_lib.gpu import ops_prefill
+        out = [{**base, "NQ_PG_BM": bm} for bm in ops_prefill.GEMM_BM_CHOICES]
+    else:
+        out = [base]
     return [dict(t) for t in {tuple(sorted(c.items())) for c in out}]
 
 
@@ -46,7 +53,7 @@ def dump(modules: list[str], config_source: dict) -> dict:
             for m in re.finditer(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\n\s*//-+ \.|\Z)", text, re.S):
                 ins = [re.sub(r"__internal_\d+_", "__internal_",
                               re.sub(r"\.L_x_\d+", ".L", re.sub(r"/\*[0-9a-f]{4,}\*/", "", line))).strip()
-                       for line in m.group(2).splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+                       for line in m.group(2).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
                 out[f"{module}|{json.dumps(cfg, sort_keys=True)}|{m.group(1)}"] = ins
     return out
 
@@ -61,7 +68,9 @@ def main() -> int:
     changed = subprocess.run(["git", "diff", "--name-only", rev, "--", "kernels"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.split()
     headers = {Path(p).name for p in changed if p.endswith(".cuh")}
-    modules = sorted({Path(p).stem for p in changed if p.endswith(".cu")}
+    # the engine's kernel files only (kernels/*.cu; the lab's kernels/lab/ is not run by an engine)
+    modules = sorted({Path(p).stem for p in changed if p.endswith(".cu") and Path(p).parent.name == "kernels"
+                      and (ROOT / p).exists()}
                      | {f.stem for f in (ROOT / "kernels").glob("*.cu")
                         if any(f'"{h}"' in f.read_text() for h in headers)})
     if not modules:
@@ -83,14 +92,22 @@ def main() -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
     new = dump(modules, cfgs)
     differ = 0
+    from nanoqwen_lib import config
+    base = config.tuning_defines()
+
+    def label(key: str) -> str:          # module|the knobs off their defaults|kernel
+        module, cfg, kernel = key.split("|")
+        off = {k: v for k, v in json.loads(cfg).items() if base.get(k) != v}
+        return f"{module}|{json.dumps(off, sort_keys=True) if off else 'defaults'}|{kernel}"
+
     for key in sorted(new):
         if key not in old:
-            print(f"new        {key}")
+            print(f"new        {label(key)}")
         elif old[key] == new[key]:
-            print(f"identical  {key}  ({len(new[key])} instructions)")
+            print(f"identical  {label(key)}  ({len(new[key])} instructions)")
         else:
             differ += 1
-            print(f"DIFFERENT  {key}  ({len(old[key])} -> {len(new[key])} instructions)")
+            print(f"DIFFERENT  {label(key)}  ({len(old[key])} -> {len(new[key])} instructions)")
     return 1 if differ else 0
 
 

@@ -25,12 +25,13 @@ from nanoqwen_lib.config import ModelDims, load
 from nanoqwen_lib.model.reference import rope_inv_freq  # one table for kernels and reference (same bits)
 
 ALIGN = load().format.alignment
-ATTN_THREADS = 32 * (1 + 4)      # kernels/paged_attention.cu THREADS: producer warp + 4 consumer warps
+_GEOMETRY = load().geometry["paged_attention"]   # kernels/paged_attention.cu gets the same as -D
+ATTN_THREADS = 32 * (1 + _GEOMETRY["NQ_ATTN_CONSUMER_WARPS"])   # a producer warp + the consumer warps
 # Grid = kv_heads x max_splits: 4 x 64 = 256 CTAs on the 7B, ~2 per SM of the H200's 132.
 # Measured best or within 3% of it at 512, 8192 and 32768 tokens (PERFLOG.md, "paged
 # attention"); 96 (3 CTAs per SM, one wave) was no faster, 128 slower (a second wave).
 DEFAULT_MAX_SPLITS = 64
-MAX_SPLITS_COMBINE = 1024        # kernels/paged_attention.cu: the combine stages <= 1024 splits
+MAX_SPLITS_COMBINE = _GEOMETRY["NQ_ATTN_MAX_SPLITS_COMBINE"]   # the combine stages at most this many splits
 
 
 def check_buffer(name: str, a, dtype, shape) -> None:
@@ -75,14 +76,15 @@ class AttentionWorkspace:
 
 class AttentionKernels:
     """The compiled modules for one model's dims, and its RoPE inv_freq table (made once);
-    `buggy_sync` builds kernels/paged_attention.cu with NQ_ATTN_BUGGY_SYNC=1."""
+    `buggy_sync` takes the split kernel from the lab (kernels/lab/paged_attention_buggy.cu:
+    the original tail-page hand-off, a deliberate bug; book chapter 6, tools/sanitize_attention.py)."""
 
     def __init__(self, dims: ModelDims, buggy_sync: bool = False):
         import cupy as cp
         self.dims = dims
-        extra = {"NQ_ATTN_BUGGY_SYNC": 1} if buggy_sync else None
-        attn = cuda_build.load_module("paged_attention", dims, extra)
-        self._split = attn.get_function("paged_attention_split")
+        attn = cuda_build.load_module("paged_attention", dims)
+        self._split = (cuda_build.load_module("lab/paged_attention_buggy", dims).get_function("paged_attention_split_buggy")
+                       if buggy_sync else attn.get_function("paged_attention_split"))
         self._combine = attn.get_function("paged_attention_combine")
         self._rope = cuda_build.load_module("rope_append", dims).get_function("rope_append_kv")
         self.inv_freq = cp.asarray(rope_inv_freq(dims.head_dim, dims.rope_theta))   # [d/2]

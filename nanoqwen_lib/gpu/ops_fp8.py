@@ -2,16 +2,12 @@
 
     gemv_fp8(x, codes, scales, out, bias=None, residual=None)   decode: out = s * (codes . x) [+ b] [+ r]
     quantize_rows_fp8(x, xq, ts)                                 prefill: xq = E4M3(x / ts), per row
-    gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, impl=GEMM_IMPL)
+    gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None)
                                                                  prefill: out = ts s (xq codes^T) [+ b] [+ r]
 
-gemm_fp8 has two kernels with one contract: "mma_sync" (fp8.cu, sm_90: ptxas emulates the
-E4M3 MMA with FP16 HMMA) and "wgmma" (wgmma_fp8.cu, sm_90a: Hopper's FP8 tensor cores,
-QGMMA). Both meet the same FP32-sum bound on the H200 (9542ec2): wgmma v1a.1 promotes each
-wgmma's sum into FP32 registers (NQ_WGMMA_PROMOTE_K), since the FP8 wgmma accumulator keeps
-fewer bits than FP32 (v1a, without it, missed the bound on ~0.1% of outputs). The default
-stays "mma_sync": wgmma v1a.1 (one warpgroup per 64 x 64 tile, no pipeline) is no faster at
-qkv and 1.27-1.38x slower at the other 7B shapes, T = 512 (book/data/prefill-fp8.json).
+gemm_fp8 runs fp8.cu's mma.sync kernel (sm_90: ptxas emulates the E4M3 MMA with FP16 HMMA).
+The lab's wgmma kernel (kernels/lab/wgmma_fp8.cu, nanoqwen_lib.gpu.lab.fp8) has the same
+contract and meets the same FP32-sum bound, and is no faster (book chapter 11).
 
 codes uint8 [N, K] (E4M3, K contiguous) and scales fp32 [N] are a projection as the file
 stores it (quant.quantize_fp8_rowwise). Every argument is checked before a kernel sees it.
@@ -22,16 +18,18 @@ import functools
 
 import numpy as np
 
+from nanoqwen_lib.config import load
 from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.errors import LimitError, NanoqwenError
 from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, device_ptr
 
-GEMV_THREADS, GEMV_ROWS_PER_CTA = 256, 8
-QUANT_THREADS = 256
-GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS = 64, 64, 64, 128
-WGMMA_BM, WGMMA_BN, WGMMA_BK, WGMMA_THREADS = 64, 64, 128, 128
-GEMM_IMPLS = ("mma_sync", "wgmma")
-GEMM_IMPL = "mma_sync"
+# Kernel geometry: nanoqwen.yaml `geometry: fp8` (kernels/fp8.cu gets the same values as -D).
+_G = load().geometry["fp8"]
+GEMV_THREADS = _G["NQ_FP8_GEMV_THREADS"]
+GEMV_ROWS_PER_CTA = GEMV_THREADS // 32          # one output row per warp at a time
+QUANT_THREADS = _G["NQ_FP8_QUANT_THREADS"]
+GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS = (_G["NQ_FP8_GEMM_BM"], _G["NQ_FP8_GEMM_BN"], _G["NQ_FP8_GEMM_BK"],
+                                           _G["NQ_FP8_GEMM_THREADS"])
 SMEM_LIMIT = 48 * 1024             # the GEMV keeps x (fp16) in shared memory: K <= 24576
 
 
@@ -44,7 +42,7 @@ def _check(fn, field, a, dtype, shape):
     check_device_buffer(f"ops_fp8.{fn}", field, a, dtype, shape)
 
 
-def _weights(fn: str, codes, scales, k_multiple: int) -> tuple[int, int]:
+def check_weights(fn: str, codes, scales, k_multiple: int) -> tuple[int, int]:
     """(N, K) of an FP8 projection, checked."""
     if getattr(codes, "ndim", 0) != 2:
         raise NanoqwenError(f"ops_fp8.{fn}", "codes.shape", "(N, K)", getattr(codes, "shape", None))
@@ -59,7 +57,7 @@ def _weights(fn: str, codes, scales, k_multiple: int) -> tuple[int, int]:
 def gemv_fp8(x, codes, scales, out, bias=None, residual=None) -> None:
     """out fp16 [N] = fp16(scales * (decode(codes) . x) [+ bias] [+ residual]), FP32 sums;
     x fp16 [K]; residual may be `out` (in place), x may not."""
-    n, k = _weights("gemv_fp8", codes, scales, 16)
+    n, k = check_weights("gemv_fp8", codes, scales, 16)
     if 2 * k > SMEM_LIMIT:
         raise LimitError("ops_fp8.gemv_fp8", "K", f"<= {SMEM_LIMIT // 2} (x in 48 KiB of shared memory)", k)
     _check("gemv_fp8", "x", x, np.float16, (k,))
@@ -86,27 +84,28 @@ def quantize_rows_fp8(x, xq, ts) -> None:
     _kernel("nq_quantize_rows_fp8")((t,), (QUANT_THREADS,), (x, xq, ts, np.int32(k)))
 
 
-def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, impl: str = GEMM_IMPL) -> None:
+def check_gemm(fn: str, xq, ts, codes, scales, out, bias, residual, k_multiple: int) -> tuple[int, int, int]:
+    """(T, N, K) of a prefill FP8 GEMM's arguments, every buffer checked."""
+    n, k = check_weights(fn, codes, scales, k_multiple)
+    if getattr(xq, "ndim", 0) != 2 or xq.shape[0] < 1:
+        raise NanoqwenError(f"ops_fp8.{fn}", "xq.shape", "(T, K), T >= 1", getattr(xq, "shape", None))
+    t = xq.shape[0]
+    _check(fn, "xq", xq, np.uint8, (t, k))
+    _check(fn, "ts", ts, np.float32, (t,))
+    _check(fn, "out", out, np.float16, (t, n))
+    if bias is not None:
+        _check(fn, "bias", bias, np.float16, (n,))
+    if residual is not None:
+        _check(fn, "residual", residual, np.float16, (t, n))
+    if t * max(k, n) >= 2**31 or n * k >= 2**31:
+        raise LimitError(f"ops_fp8.{fn}", "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
+    return t, n, k
+
+
+def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None) -> None:
     """out fp16 [T, N] = fp16(ts[t] scales[n] (xq codes^T)[t, n] [+ bias] [+ residual]) with
     E4M3 operands and FP32 accumulation; xq uint8 [T, K], ts fp32 [T] (quantize_rows_fp8);
-    residual may be `out` (in place). impl: "mma_sync" (K a multiple of 64) or "wgmma" (128)."""
-    if impl not in GEMM_IMPLS:
-        raise NanoqwenError("ops_fp8.gemm_fp8", "impl", f"one of {GEMM_IMPLS}", repr(impl))
-    n, k = _weights("gemm_fp8", codes, scales, GEMM_BK if impl == "mma_sync" else WGMMA_BK)
-    if getattr(xq, "ndim", 0) != 2 or xq.shape[0] < 1:
-        raise NanoqwenError("ops_fp8.gemm_fp8", "xq.shape", "(T, K), T >= 1", getattr(xq, "shape", None))
-    t = xq.shape[0]
-    _check("gemm_fp8", "xq", xq, np.uint8, (t, k))
-    _check("gemm_fp8", "ts", ts, np.float32, (t,))
-    _check("gemm_fp8", "out", out, np.float16, (t, n))
-    if bias is not None:
-        _check("gemm_fp8", "bias", bias, np.float16, (n,))
-    if residual is not None:
-        _check("gemm_fp8", "residual", residual, np.float16, (t, n))
-    if t * max(k, n) >= 2**31 or n * k >= 2**31:
-        raise LimitError("ops_fp8.gemm_fp8", "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
+    residual may be `out` (in place); K a multiple of GEMM_BK."""
+    t, n, k = check_gemm("gemm_fp8", xq, ts, codes, scales, out, bias, residual, GEMM_BK)
     args = (xq, ts, codes, scales, device_ptr(bias), device_ptr(residual), out, np.int32(t), np.int32(n), np.int32(k))
-    if impl == "wgmma":
-        _kernel("nq_gemm_fp8_wgmma", "wgmma_fp8")((-(-t // WGMMA_BM), -(-n // WGMMA_BN)), (WGMMA_THREADS,), args)
-    else:
-        _kernel("nq_gemm_fp8")((-(-t // GEMM_BM), -(-n // GEMM_BN)), (GEMM_THREADS,), args)
+    _kernel("nq_gemm_fp8")((-(-t // GEMM_BM), -(-n // GEMM_BN)), (GEMM_THREADS,), args)

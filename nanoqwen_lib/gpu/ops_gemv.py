@@ -1,5 +1,6 @@
 """Launchers for the decode GEMVs and the small decode kernels (kernels/gemv_int4.cu,
-decode_ops.cu, lm_head.cu).
+decode_ops.cu, lm_head.cu): what the engines run (the earlier GEMV versions are
+nanoqwen_lib.gpu.lab.gemv).
 
 Every launcher takes CuPy arrays, checks dtype, shape, contiguity and 128-byte alignment
 of every buffer (a NanoqwenError naming the argument), and launches on the current
@@ -21,21 +22,13 @@ from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, 
 
 GROUP = load().format.group_size
 
-# Tuning knobs, passed as -D defines (the kernels' own #ifndef defaults mirror these).
-GEMV_TUNING = {"NQ_GEMV_WARPS": 4, "NQ_GEMV_UNROLL": 4, "NQ_GEMV_MTILES": 1,
-               "NQ_GEMV_STREAM_WARPS": 16, "NQ_GEMV_STREAM_RING": 4}
-GEMV_IMPL = "tiles"             # "tiles": CTA per 16-row tile (+ split-K); "stream": persistent stream-K;
-GEMV_IMPLS = ("tiles", "stream", "bulk")   # "bulk": persistent, weights via cp.async.bulk (v5: slower, PERFLOG)
-BULK_TUNING = {"NQ_BULK_STAGES": 4, "NQ_BULK_GROUPS": 8, "NQ_BULK_MAX_ITEM_GROUPS": 40,
-               "NQ_BULK_CONSUMER_WARPS": 4}   # a CTA: one producer warp + these consumer warps
-BULK_CTAS_PER_SM = 4            # at most; shared memory may allow fewer
-BULK_MIN_BALANCE = 0.9          # split K until the items spread this evenly over the CTAs
-SMEM_PER_SM = 233472            # H100 / H200: 228 KiB of shared memory per SM
-SMEM_PER_CTA_RESERVED = 1024 + 512   # the driver's reservation + the kernel's static shared memory
-STREAM_CTAS_PER_SM = 1
-STREAM_MIN_WARP_UNITS = 2       # fewer CTAs for tiny GEMVs: every warp gets >= 2 units
-LMHEAD_TUNING = {"NQ_LMHEAD_WARPS": 8, "NQ_LMHEAD_ROWS_PER_WARP": 4, "NQ_LMHEAD_UNROLL": 4}
-DECODE_TUNING = {"NQ_DECODE_THREADS": 512}
+# Tuning knobs: nanoqwen.yaml `tuning:` (config.cuda_defines passes the defaults as -D to every
+# build; a launch overrides them per shape from the table there).
+_TUNING = load().tuning
+GEMV_TUNING = dict(_TUNING["gemv_int4"].defines)
+GEMV_FALLBACK = dict(_TUNING["gemv_int4"].fallback)    # shapes the table does not name
+LMHEAD_TUNING = dict(_TUNING["lm_head"].defines)
+DECODE_TUNING = dict(_TUNING["decode_ops"].defines)
 LMHEAD_CTAS_PER_SM = 4          # persistent grid of the lm_head
 ARGMAX_CTAS_PER_SM = 1
 # Split-K: measured on the H200 (PERFLOG.md, v2), every extra slice costs more than it
@@ -43,7 +36,7 @@ ARGMAX_CTAS_PER_SM = 1
 SPLIT_TARGET_CTAS_PER_SM = 0    # split K until the grid has this many CTAs per SM (0: off) ...
 SPLIT_MAX_CTA_GROUPS = 64       # ... and so that one CTA's K range fits its shared memory
 SPLIT_MIN_WARP_GROUPS = 2       # ... but never below this many groups per warp
-GEMV_FALLBACK = {"NQ_GEMV_UNROLL": 2}   # shapes the table below does not name
+ACT_BYTES_PER_GROUP = 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]   # staged fp16 x of one group, padded
 
 # Workspace capacity (allocated once, ~4.3 MB).
 WS_PARTIAL_FLOATS = 1 << 20     # ksplit * N fp32 partial sums
@@ -57,8 +50,9 @@ def _kernel(module: str, name: str, extra: tuple):
     return cuda_build.load_module(module, None, dict(extra)).get_function(name)
 
 
-def _gemv_kernel(name: str, tuning: dict | None):
-    return _kernel("gemv_int4", name, tuple(sorted({**GEMV_TUNING, **(tuning or {})}.items())))
+def gemv_kernel(name: str, tuning: dict | None, module: str = "gemv_int4"):
+    """Entry `name` of kernels/<module>.cu built with GEMV_TUNING overridden by `tuning`."""
+    return _kernel(module, name, tuple(sorted({**GEMV_TUNING, **(tuning or {})}.items())))
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +96,7 @@ def _no_alias(fn: str, field: str, a, b, other: str) -> None:
 _ptr = device_ptr
 
 
-def _weights(fn: str, qweight, scales) -> tuple[int, int]:
+def check_weights(fn: str, qweight, scales) -> tuple[int, int]:
     """(N, K) of a packed INT4 projection, checked."""
     if getattr(qweight, "ndim", 0) != 2:
         raise NanoqwenError(f"ops_gemv.{fn}", "qweight.shape", "(N, K/8)", getattr(qweight, "shape", None))
@@ -131,16 +125,9 @@ def plan_split(n: int, k: int, tuning: dict | None = None) -> int:
 @functools.lru_cache(maxsize=1)
 def tuned_table() -> dict:
     """(launcher, N, K) -> (tuning, ksplit) for the 7B decode GEMVs: the fastest variant of
-    each shape measured on the H200 (PERFLOG.md, run 4: the FOLD unpack; graph replay)."""
+    each shape measured on the H200 (nanoqwen.yaml `tuning: gemv_int4: shapes`, PERFLOG.md)."""
     d = load().model("7b")
-    fold_mt2u2 = {"NQ_GEMV_FOLD": 1, "NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2}
-    return {
-        ("gemv_int4", d.qkv_dim, d.hidden): ({}, 1),                                     # 8.07 us (FOLD: no gain)
-        ("gemv_int4", d.hidden, d.q_dim): ({"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}, 1),  # 5.85 us
-        ("gemv_int4", 2 * d.intermediate, d.hidden): (fold_mt2u2, 1),                    # 26.56 us
-        ("gemv_int4", d.hidden, d.intermediate): (fold_mt2u2, 3),                        # 18.01 us
-        ("gemv_int4_swiglu", d.hidden, d.intermediate): (fold_mt2u2, 3),                 # 19.15 us
-    }
+    return {(s.launcher, *s.size(d)): (dict(s.defines), s.ksplit) for s in _TUNING["gemv_int4"].shapes}
 
 
 def gemv_config(fn: str, n: int, k: int, tuning: dict | None = None, ksplit: int | None = None):
@@ -153,28 +140,17 @@ def gemv_config(fn: str, n: int, k: int, tuning: dict | None = None, ksplit: int
     return t, ksplit or plan_split(n, k, t)
 
 
-def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group: int,
+def launch_tiles(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group: int,
                  qweight, scales, out, bias, residual, n: int, k: int,
-                 ksplit: int | None, tuning: dict | None, impl: str | None = None, ctas: int | None = None) -> None:
-    _check(fn, "out", out, np.float16, (n,))
+                 ksplit: int | None, tuning: dict | None, module: str = "gemv_int4") -> None:
+    """One tiles launch (grid (tiles, ksplit), 32 * WARPS threads) of `kernel_name` in
+    kernels/<module>.cu, after checking out, bias, residual, ksplit and shared memory."""
+    check_device_buffer(f"ops_gemv.{fn}", "out", out, np.float16, (n,))
     if bias is not None:
-        _check(fn, "bias", bias, np.float16, (n,))
-    if residual is not None:
-        _check(fn, "residual", residual, np.float16, (n,))   # may be `out` itself (in place)
-    impl = impl or GEMV_IMPL
-    if impl not in GEMV_IMPLS:
-        raise NanoqwenError(f"ops_gemv.{fn}", "impl", f"one of {GEMV_IMPLS}", repr(impl))
+        check_device_buffer(f"ops_gemv.{fn}", "bias", bias, np.float16, (n,))
+    if residual is not None:   # may be `out` itself (in place)
+        check_device_buffer(f"ops_gemv.{fn}", "residual", residual, np.float16, (n,))
     groups = k // GROUP
-    if impl == "bulk":
-        _launch_bulk(fn, kernel_name + "_bulk", act_args, qweight, scales, out, bias, residual, n, k,
-                     ksplit, tuning, ctas)
-        return
-    # The stream kernels stage all of K per CTA; past 48 KiB they fall back to tiles.
-    ts = {**GEMV_TUNING, **(tuning or {})}
-    if impl == "stream" and ts["NQ_GEMV_MTILES"] == 1 and groups * act_bytes_per_group <= 48 * 1024:
-        _launch_stream(fn, kernel_name + "_stream", act_args, groups * act_bytes_per_group,
-                       qweight, scales, out, bias, residual, n, k, ts, ctas)
-        return
     t, s = gemv_config(fn, n, k, tuning, ksplit)
     if not 1 <= s <= groups:
         raise NanoqwenError(f"ops_gemv.{fn}", "ksplit", f"1..{groups} (groups of K)", s)
@@ -185,9 +161,9 @@ def _launch_gemv(fn: str, kernel_name: str, act_args: tuple, act_bytes_per_group
         raise LimitError(f"ops_gemv.{fn}", "shared memory of one CTA's K range",
                          "<= 48 KiB", f"{smem} B (K={k}, ksplit={s})", "raise ksplit")
     ws = split_workspace(fn, s, n, tiles)
-    kern = _gemv_kernel(kernel_name, t)
+    kern = gemv_kernel(kernel_name, t, module)
     kern((tiles, s), (32 * t["NQ_GEMV_WARPS"],),
-         act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
+         act_args + (qweight, scales, out, device_ptr(bias), device_ptr(residual), ws.partial, ws.counters,
                      np.int32(n), np.int32(k), np.int32(s)),
          shared_mem=smem)
 
@@ -202,130 +178,25 @@ def split_workspace(fn: str, s: int, n: int, tiles: int) -> Workspace:
     return ws
 
 
-def bulk_smem_bytes(k: int, t: dict) -> int:
-    """Dynamic shared memory of a bulk CTA: the ring of stages (16 rows x GROUPS groups of
-    64 B, rows padded to an odd multiple of 64 B), all of x (320 B per group), two items'
-    scales."""
-    g = t["NQ_BULK_GROUPS"]
-    ring = t["NQ_BULK_STAGES"] * 16 * (g * 64 + (64 if g % 2 == 0 else 0))   # rows an odd multiple of 64 B apart
-    return ring + (k // GROUP) * 2 * (GROUP + GROUP // 4) + 2 * 16 * t["NQ_BULK_MAX_ITEM_GROUPS"] * 2
-
-
-def plan_bulk(n: int, k: int, t: dict, sms: int, ksplit: int | None = None, ctas: int | None = None):
-    """-> (ksplit, grid) of a bulk launch. Items are (16-row tile, K slice); a slice has at
-    most NQ_BULK_MAX_ITEM_GROUPS groups (the scale buffer). Without an explicit ksplit, K is
-    split further until the items spread over the SMs at BULK_MIN_BALANCE or better (the
-    busiest SM's share is what the launch costs), keeping at least one stage per item."""
-    tiles, groups = -(-n // 16), k // GROUP
-    per_sm = min(BULK_CTAS_PER_SM, SMEM_PER_SM // (bulk_smem_bytes(k, t) + SMEM_PER_CTA_RESERVED))
-    if per_sm < 1:
-        raise LimitError("ops_gemv.gemv (bulk)", "shared memory of one CTA", f"<= {SMEM_PER_SM} B per SM",
-                         f"{bulk_smem_bytes(k, t)} B (K={k})", "fewer NQ_BULK_STAGES or NQ_BULK_GROUPS")
-    cap = ctas or per_sm * sms
-    least = -(-groups // t["NQ_BULK_MAX_ITEM_GROUPS"])
-
-    def balance(s):               # mean items per SM over the busiest SM's
-        per = tiles * s / sms
-        return per / -(-per // 1)
-
-    if ksplit is None:
-        ksplit = least
-        for s in range(least, groups + 1):
-            if groups / s < t["NQ_BULK_GROUPS"] and s > least:
-                break
-            if balance(s) > balance(ksplit) + 1e-9:
-                ksplit = s
-            if balance(s) >= BULK_MIN_BALANCE:
-                ksplit = s
-                break
-    if not least <= ksplit <= groups:
-        raise NanoqwenError("ops_gemv.gemv (bulk)", "ksplit", f"{least}..{groups} (at most "
-                            f"{t['NQ_BULK_MAX_ITEM_GROUPS']} groups per slice)", ksplit)
-    return ksplit, min(tiles * ksplit, cap)
-
-
-def _launch_bulk(fn, kernel_name, act_args, qweight, scales, out, bias, residual, n, k, ksplit, tuning, ctas):
-    """Persistent bulk-copy launch (v5): see kernels/gemv_int4.cu, [bulk-produce] / [bulk-consume]."""
-    t = {**GEMV_TUNING, **BULK_TUNING, **(tuning or {})}
-    if t["NQ_GEMV_MTILES"] != 1:
-        raise NanoqwenError(f"ops_gemv.{fn}", "tuning NQ_GEMV_MTILES", "1 for impl='bulk'", t["NQ_GEMV_MTILES"])
-    s, grid = plan_bulk(n, k, t, num_sms(), ksplit, ctas)
-    tiles = -(-n // 16)
-    ws = split_workspace(fn, s, n, tiles)
-    kern = _gemv_kernel(kernel_name, t)
-    smem = bulk_smem_bytes(k, t)
-    kern.max_dynamic_shared_size_bytes = smem
-    kern((grid,), (32 * (1 + t["NQ_BULK_CONSUMER_WARPS"]),),
-         act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
-                     np.int32(n), np.int32(k), np.int32(s)),
-         shared_mem=smem)
-
-
-def _launch_stream(fn, kernel_name, act_args, smem, qweight, scales, out, bias, residual, n, k, t, ctas):
-    """Persistent stream-K launch: units of 16 rows x 128 inputs split evenly over the warps."""
-    warps = t["NQ_GEMV_STREAM_WARPS"]
-    tiles, groups = -(-n // 16), k // GROUP
-    units = tiles * groups
-    grid = ctas or max(1, min(STREAM_CTAS_PER_SM * num_sms(), -(-units // (warps * STREAM_MIN_WARP_UNITS))))
-    nw = grid * warps
-    cmax = (groups - 1) * nw // units + 2              # most warps that share one tile
-    ws = workspace()
-    if tiles * cmax * 16 > ws.partial.size or tiles > ws.counters.size:
-        raise LimitError(f"ops_gemv.{fn}", "stream-K workspace",
-                         f"tiles*cmax*16 <= {ws.partial.size} and tiles <= {ws.counters.size}",
-                         f"{tiles}*{cmax}*16, {tiles} tiles", "fewer CTAs (ctas=)")
-    kern = _gemv_kernel(kernel_name, t)
-    kern((grid,), (32 * warps,),
-         act_args + (qweight, scales, out, _ptr(bias), _ptr(residual), ws.partial, ws.counters,
-                     np.int32(n), np.int32(k), np.int32(cmax)),
-         shared_mem=smem)
-
-
 # ---- the GEMVs ----------------------------------------------------------------------------
-def gemv_int4(x, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None, impl=None,
-              ctas=None):
+def gemv_int4(x, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None):
     """out[N] = fp16([residual +] W.x [+ bias]); x fp16 [K], qweight uint32 [N, K/8],
     scales fp16 [N, K/128]. residual may be `out` (in place); x may not."""
-    n, k = _weights("gemv_int4", qweight, scales)
+    n, k = check_weights("gemv_int4", qweight, scales)
     _check("gemv_int4", "x", x, np.float16, (k,))
     _no_alias("gemv_int4", "out", out, x, "x")
-    _launch_gemv("gemv_int4", "nq_gemv_int4", (x,), 2 * (GROUP + GROUP // 4),
-                 qweight, scales, out, bias, residual, n, k, ksplit, tuning, impl, ctas)
+    launch_tiles("gemv_int4", "nq_gemv_int4", (x,), ACT_BYTES_PER_GROUP,
+                 qweight, scales, out, bias, residual, n, k, ksplit, tuning)
 
 
-def gemv_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, ksplit=None, tuning=None,
-                     impl=None, ctas=None):
+def gemv_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, ksplit=None, tuning=None):
     """out[N] = fp16([residual +] W.act); act = fp16(silu(g) * u) from gate_up fp16 [2K]
     (gate then up), K = qweight.shape[1] * 8."""
-    n, k = _weights("gemv_int4_swiglu", qweight, scales)
+    n, k = check_weights("gemv_int4_swiglu", qweight, scales)
     _check("gemv_int4_swiglu", "gate_up", gate_up, np.float16, (2 * k,))
     _no_alias("gemv_int4_swiglu", "out", out, gate_up, "gate_up")
-    _launch_gemv("gemv_int4_swiglu", "nq_gemv_int4_swiglu", (gate_up,), 2 * (GROUP + GROUP // 4),
-                 qweight, scales, out, bias, residual, n, k, ksplit, tuning, impl, ctas)
-
-
-def quantize_act_int8(x, xq, xscale, *, tuning=None):
-    """x fp16 [K] -> xq int8 [K] (dp4a byte order within each 8) and xscale fp32 [K/128]."""
-    k = getattr(x, "size", 0)
-    if k < GROUP or k % GROUP:
-        raise NanoqwenError("ops_gemv.quantize_act_int8", "x.size", f"a multiple of {GROUP}", k)
-    _check("quantize_act_int8", "x", x, np.float16, (k,))
-    _check("quantize_act_int8", "xq", xq, np.int8, (k,))
-    _check("quantize_act_int8", "xscale", xscale, np.float32, (k // GROUP,))
-    threads = 256                               # 16 groups per CTA, a half-warp each
-    groups = k // GROUP
-    _gemv_kernel("nq_quantize_act_int8", tuning)((-(-groups // (threads // 16)),), (threads,),
-                                                 (x, xq, xscale, np.int32(k)))
-
-
-def gemv_int4_dp4a(xq, xscale, qweight, scales, out, bias=None, residual=None, *, ksplit=None, tuning=None,
-                   impl=None, ctas=None):
-    """out as gemv_int4, from INT8 activations (quantize_act_int8) and __dp4a."""
-    n, k = _weights("gemv_int4_dp4a", qweight, scales)
-    _check("gemv_int4_dp4a", "xq", xq, np.int8, (k,))
-    _check("gemv_int4_dp4a", "xscale", xscale, np.float32, (k // GROUP,))
-    _launch_gemv("gemv_int4_dp4a", "nq_gemv_int4_dp4a", (xq, xscale), GROUP,
-                 qweight, scales, out, bias, residual, n, k, ksplit, tuning, impl, ctas)
+    launch_tiles("gemv_int4_swiglu", "nq_gemv_int4_swiglu", (gate_up,), ACT_BYTES_PER_GROUP,
+                 qweight, scales, out, bias, residual, n, k, ksplit, tuning)
 
 
 # ---- the small decode kernels -------------------------------------------------------------

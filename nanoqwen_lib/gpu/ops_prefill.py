@@ -32,19 +32,24 @@ from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, 
 GROUP = load().format.group_size
 PAGE_TOKENS = load().kv_cache.page_tokens
 
-# kernels/prefill_gemm.cu geometry (its constants; gemm_smem_bytes mirrors sizeof(Stage)).
-GEMM_BN, GEMM_BK, GEMM_THREADS, GEMM_XS = 128, 64, 256, 64 + 8
-GEMM_STAGES = 4
+# Kernel geometry: nanoqwen.yaml `geometry:` (the kernels get the same values as -D);
+# tuning: nanoqwen.yaml `tuning: prefill_gemm` (NQ_PG_BM is chosen per shape by plan_gemm).
+_PG = load().geometry["prefill_gemm"]
+GEMM_BN, GEMM_BK, GEMM_THREADS = _PG["NQ_PG_BN"], _PG["NQ_PG_BK"], _PG["NQ_PG_THREADS"]
+GEMM_XS = GEMM_BK + _PG["NQ_PG_X_PAD"]     # padded X row, halves
+ACT_THREADS = _PG["NQ_PG_ACT_THREADS"]     # nq_swiglu_act's block
+GEMM_STAGES = load().tuning["prefill_gemm"].defines["NQ_PG_STAGES"]
 GEMM_BM_CHOICES = (64, 128)
-GEMM_WARPS_M = 2                 # 8 warps as 2 (tokens) x 4 (features); 4 x 2 is the other build
-GEMM_CTAS_PER_SM = {64: 2, 128: 1}   # resident CTAs per SM (the kernel's launch bounds / registers)
+GEMM_WARPS_M = load().tuning["prefill_gemm"].defines["NQ_PG_WARPS_M"]   # 8 warps as 2 (tokens) x 4 (features); 4 x 2 is the other build
+GEMM_CTAS_PER_SM = {64: _PG["NQ_PG_MIN_CTAS_BM64"], 128: _PG["NQ_PG_MIN_CTAS_BM128"]}   # resident CTAs per SM (the launch bounds)
 GEMM_BM128_MIN_WAVES = 2         # BM = 128 once its grid fills the resident slots this many times
 SPLIT_MAX = 8                    # split-K slices at most ...
 SPLIT_MIN_KTILES = 4             # ... each with at least this many k-tiles of 64
 SPLIT_FILL_KTILES = 3            # pipeline fill + epilogue of a CTA, in k-tile times (the wave model)
 WS_FLOATS = 1 << 24              # split-K workspace: fp32 partial tiles (64 MiB), allocated once
 WS_COUNTERS = 1 << 16            # one counter per output tile
-ATTN_BQ, ATTN_THREADS = 64, 128
+_PA = load().geometry["prefill_attention"]
+ATTN_BQ, ATTN_THREADS, ROPE_THREADS = _PA["NQ_PA_BQ"], 32 * _PA["NQ_PA_WARPS"], _PA["NQ_PA_ROPE_THREADS"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,8 +90,9 @@ def _tokens(fn: str, field: str, a) -> int:
 
 # ---- the GEMM -----------------------------------------------------------------------------
 def gemm_smem_bytes(bm: int, swiglu: bool, stages: int = GEMM_STAGES) -> int:
-    """Dynamic shared memory of nq_prefill_gemm[_swiglu]: per stage the X tile [bm][72] fp16,
-    the W tile [128][8] uint32 and 128 scale words; SwiGLU adds a u tile [bm][72] per stage."""
+    """Dynamic shared memory of nq_prefill_gemm[_swiglu]: per stage the X tile [bm][GEMM_XS]
+    fp16, the W tile [GEMM_BN][GEMM_BK/8] uint32 and GEMM_BN scale words (the kernel's Stage,
+    whose static_assert pins this layout: no padding); SwiGLU adds a u tile [bm][GEMM_XS] per stage."""
     stage = bm * GEMM_XS * 2 + GEMM_BN * (GEMM_BK // 8) * 4 + GEMM_BN * 4
     return stages * (stage + (bm * GEMM_XS * 2 if swiglu else 0))
 
@@ -206,7 +212,7 @@ def swiglu_act(gate_up, act) -> None:
     _check("swiglu_act", "gate_up", gate_up, np.float16, (t, 2 * inter))
     _check("swiglu_act", "act", act, np.float16, (t, inter))
     chunks = t * inter // 8
-    _gemm_kernel("nq_swiglu_act", 128, GEMM_WARPS_M, GEMM_STAGES)((-(-chunks // 256),), (256,),
+    _gemm_kernel("nq_swiglu_act", 128, GEMM_WARPS_M, GEMM_STAGES)((-(-chunks // ACT_THREADS),), (ACT_THREADS,),
                                                     (gate_up, act, np.int32(t), np.int32(inter)))
 
 
@@ -251,7 +257,7 @@ def prefill_rope_write_kv(qkv, k_pool, v_pool, block_table, q_out, dims: ModelDi
     _check("prefill_rope_write_kv", "q_out", q_out, np.float16, (t, dims.num_heads, dims.head_dim))
     _check_pages("prefill_rope_write_kv", dims, k_pool, v_pool, block_table, start_pos + t)
     ks = attention_kernels(dims)
-    ks.rope((t,), (256,), (qkv, ks.inv_freq, block_table, q_out, k_pool, v_pool, np.int32(t),
+    ks.rope((t,), (ROPE_THREADS,), (qkv, ks.inv_freq, block_table, q_out, k_pool, v_pool, np.int32(t),
                            np.int32(start_pos), np.int32(dims.num_heads), np.int32(dims.num_kv_heads)))
 
 

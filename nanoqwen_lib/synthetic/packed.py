@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoqwen_lib.synthetic.cache import cache_dir, synthetic_checkpoint
+from nanoqwen_lib.synthetic.cache import build_once, cache_dir, synthetic_checkpoint
 from nanoqwen_lib.format.packer import pack_checkpoint
 from nanoqwen_lib.synthetic.checkpoint import RECIPE_VERSION
 
@@ -17,10 +17,9 @@ def packed_synthetic(dims_name: str = "tiny", seed: int = 0, progress: bool = Fa
     projections' encoding `weights`: int4 or fp8) and cached."""
     tag = "" if weights == "int4" else f"-{weights}"
     out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}{tag}.nanoqwen"
-    if not out.exists():
-        pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed, progress=progress), out, progress=progress,
-                        weights=weights)
-    return out
+    # pack_checkpoint writes through weightfile.AtomicOutput (an unnamed file, then a rename)
+    return build_once(out, lambda path: pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed, progress=progress),
+                                                        path, progress=progress, weights=weights))
 
 
 # A 7B checkpoint in bf16 is 15 GB and packing it quantizes 7.6e9 weights: minutes of CPU.
@@ -90,7 +89,8 @@ def packed_synthetic_direct(dims_name: str = "7b", seed: int = 0, progress: bool
     from nanoqwen_lib.format.weightfile import write_nanoqwen
     tag = "" if weights == "int4" else f"-{weights}"
     out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}-direct{tag}.nanoqwen"
-    if not out.exists():
+
+    def build(out: Path) -> None:      # write_nanoqwen writes through weightfile.AtomicOutput
         dims = load().model(dims_name)
         bar = None
         if progress:
@@ -101,4 +101,5 @@ def packed_synthetic_direct(dims_name: str = "7b", seed: int = 0, progress: bool
                        encoding=weights)
         if bar:
             bar.close()
-    return out
+
+    return build_once(out, build)

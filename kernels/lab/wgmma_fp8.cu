@@ -1,4 +1,4 @@
-// wgmma_fp8.cu: the FP8 prefill GEMM on Hopper's FP8 tensor cores (wgmma, sm_90a).
+// lab/wgmma_fp8.cu: an experiment (no engine runs it): the FP8 prefill GEMM on Hopper's FP8 tensor cores (wgmma, sm_90a).
 // nq-arch: sm_90a
 //
 //   nq_gemm_fp8_wgmma   out[t,n] = fp16(ts[t] s[n] sum_k xq[t,k] c[n,k] [+ bias[n]]
@@ -30,15 +30,29 @@
 // DeepSeek's interval). Not yet run on a GPU.
 // nq-variants: NQ_WGMMA_PROMOTE_K=128
 #include "fp8.cuh"
+#include "hopper.cuh"   // wgmma fence / commit / wait, the matrix descriptor, fence.proxy.async
 
 #ifndef NQ_WGMMA_PROMOTE_K
-#define NQ_WGMMA_PROMOTE_K 32
+#error "NQ_WGMMA_PROMOTE_K: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 static_assert(NQ_WGMMA_PROMOTE_K == 32 || NQ_WGMMA_PROMOTE_K == 128, "promote every wgmma or every chunk");
 
+#ifndef NQ_WGMMA_BM
+#error "NQ_WGMMA_BM: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_WGMMA_BN
+#error "NQ_WGMMA_BN: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_WGMMA_BK
+#error "NQ_WGMMA_BK: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_WGMMA_THREADS
+#error "NQ_WGMMA_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+
 namespace nqw {
-constexpr int kBM = 64, kBN = 64, kBK = 128;   // tile: tokens x features x bytes of k
-constexpr int kThreads = 128;                  // one warpgroup
+constexpr int kBM = NQ_WGMMA_BM, kBN = NQ_WGMMA_BN, kBK = NQ_WGMMA_BK;   // tile: tokens x features x bytes of k
+constexpr int kThreads = NQ_WGMMA_THREADS;                  // one warpgroup
 constexpr int kTileBytes = kBM * kBK;          // 8 KB per operand chunk
 constexpr uint32_t kLBO = 128, kSBO = 1024;
 
@@ -46,12 +60,8 @@ __device__ __forceinline__ int core_offset(int r, int k) {
   return ((r >> 3) * 8 + (k >> 4)) * 128 + (r & 7) * 16 + (k & 15);
 }
 
-// Matrix descriptor: start address, LBO and SBO in 16-byte units, no swizzle (bits 62-63 = 0).
-__device__ __forceinline__ uint64_t desc(const void* smem) {
-  const uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem);
-  return (uint64_t)((addr >> 4) & 0x3FFF) | ((uint64_t)((kLBO >> 4) & 0x3FFF) << 16) |
-         ((uint64_t)((kSBO >> 4) & 0x3FFF) << 32);
-}
+// Matrix descriptor: LBO and SBO of the no-swizzle core-matrix layout above (hopper.cuh).
+__device__ __forceinline__ uint64_t desc(const void* smem) { return hopper::smem_desc(smem, kLBO, kSBO); }
 
 // D[64 x 64] (+)= A[64 x 32] . B[64 x 32]^T, E4M3 in, FP32 accumulators: thread (warp w,
 // lane l) holds, for n8 block j, d[4j], d[4j+1] at row 16w + l/4, cols 8j + 2(l%4) + {0,1},
@@ -98,19 +108,19 @@ nq_gemm_fp8_wgmma(const unsigned char* __restrict__ xq, const float* __restrict_
       *reinterpret_cast<uint4*>(bs + core_offset(r, c)) = bv;
     }
     // The generic-proxy stores above must be visible to wgmma's async proxy.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    hopper::fence_proxy_async_smem();
     __syncthreads();   // all 128 threads: both chunks are in shared memory
     // [promote]
     constexpr int kSteps = NQ_WGMMA_PROMOTE_K / 32;          // wgmma k-steps per promotion
 #pragma unroll
     for (int s0 = 0; s0 < kBK / 32; s0 += kSteps) {
       float part[32];                                        // the tensor core's short sum
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      hopper::wgmma_fence();
 #pragma unroll
       for (int s = s0; s < s0 + kSteps; ++s)
         wgmma_m64n64k32(part, desc(as + 256 * s), desc(bs + 256 * s), s > s0 ? 1 : 0);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      hopper::wgmma_commit();
+      hopper::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 32; ++i) d[i] += part[i];         // FP32, in registers
     }
