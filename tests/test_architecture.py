@@ -60,3 +60,13 @@ def test_imports_go_down_the_floors(module):
             assert there == here or FLOORS[there] < FLOORS[here], f"{where}: floor {FLOORS[there]} is not below {FLOORS[here]}"
         private = [n for n in names if n.startswith("_") and target != module]
         assert not private, f"{known[module].relative_to(PKG.parent)}:{line} imports private {private} from {target}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in modules() if not m.startswith("nanoqwen_lib.gpu.lab")))
+def test_the_library_never_imports_the_lab(module):
+    """The lab (nanoqwen_lib.gpu.lab: earlier and experimental kernels' launchers) is for the
+    tools, the tests and the chapters that tell a kernel's history; the runtime runs without it."""
+    for line, target, names in imports(modules()[module]):
+        full = [target] + [f"{target}.{n}" for n in names]
+        assert not any(t == "nanoqwen_lib.gpu.lab" or t.startswith("nanoqwen_lib.gpu.lab.") for t in full), \
+            f"{module}:{line} imports the lab ({target})"

@@ -104,8 +104,8 @@ def run_peers(nq_file, ours: dict, progress=print, llama_cpp_json=None) -> dict:
         return r
 
     def engine_row():
-        from nanoqwen_lib.gpu.engine import gpu_backend
-        e = gpu_backend(nq_file, max_tokens=max(map(len, prompts)) + v.peer_gen_tokens + 16)
+        from nanoqwen_lib.gpu.engine import GpuBackend
+        e = GpuBackend(nq_file, max_tokens=max(map(len, prompts)) + v.peer_gen_tokens + 16)
         return {"how": "nanoqwen (the run above)", "agreement": check(EnginePeer(e))}
 
     def torch_row():
