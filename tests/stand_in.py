@@ -7,7 +7,7 @@ import types
 
 import numpy as np
 
-from nanoqwen_lib.gpu import ops_attention, ops_gemv, ops_prefill
+from nanoqwen_lib.gpu import ops_attention, ops_decode, ops_prefill
 from nanoqwen_lib.config import load
 from nanoqwen_lib.gpu.engine import GpuBackend, plan_arena
 from nanoqwen_lib.gpu.projection import ENCODINGS
@@ -41,7 +41,7 @@ def stand_in_engine(dims_name: str, max_tokens: int, encoding: str = "int4"):
     eng.arena = stand_in_arena(plan_arena(eng.dims, max_tokens, encoding))
     eng.proj = ENCODINGS[encoding](eng.arena)
     eng.chunk = eng.arena["p.x"].shape[0]
-    eng.gemv, eng.attn, eng.pf = ops_gemv, ops_attention, ops_prefill
+    eng.ops, eng.attn, eng.pf = ops_decode, ops_attention, ops_prefill
     eng.kv = eng.arena["kv"]
     eng.scalar = {}
     return eng

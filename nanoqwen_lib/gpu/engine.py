@@ -119,9 +119,9 @@ class GpuBackend:
         if prefill not in PREFILL_MODES:               # refused before anything touches the GPU
             raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
         import cupy as cp
-        from nanoqwen_lib.gpu import ops_attention, ops_gemv, ops_prefill
+        from nanoqwen_lib.gpu import ops_attention, ops_decode, ops_prefill
         from nanoqwen_lib.gpu.cuda_build import load_module
-        self.cp, self.gemv, self.attn, self.pf = cp, ops_gemv, ops_attention, ops_prefill
+        self.cp, self.ops, self.attn, self.pf = cp, ops_decode, ops_attention, ops_prefill
         dims = self.dims = nq_file.dims
         self.encoding = nq_file.encoding
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
@@ -217,22 +217,22 @@ class GpuBackend:
         self.k_end((1,), (32,), (self.arena["s.scalars"], self.arena["s.generated"]))
 
     def embed_step(self) -> None:
-        self.gemv.embed(self.scalar["token"], self.arena["w.embed"], self.arena["a.x"])
+        self.ops.embed(self.scalar["token"], self.arena["w.embed"], self.arena["a.x"])
 
     def layer_launches(self, l: int) -> list[tuple[str, object]]:
         """One decoder layer on a.x (in place), as (region, launch) in gpu.layer.LAYER's
         order; this position's K/V are appended to the cache."""
-        a, d, g, at, p = self.arena, self.dims, self.gemv, self.attn, self.proj
+        a, d, ops, at, p = self.arena, self.dims, self.ops, self.attn, self.proj
         x, y, w = a["a.x"], a["a.y"], f"w.{l}."
         return [
-            (NORM_IN.name, lambda: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
+            (NORM_IN.name, lambda: ops.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
             (QKV.name, p.decode(w + "qkv", y, a["a.qkv"], bias=a[w + "qkv.bias"])),
             (ROPE.name, lambda: at.rope_append_kv(a["a.qkv"], self.scalar["position"], self.scalar["slot"],
                                                   self.kv[l, 0], self.kv[l, 1], a["a.q"], d)),
             (ATTENTION.name, lambda: at.paged_attention(a["a.q"], self.kv[l, 0], self.kv[l, 1], a["s.block_table"],
                                                         self.scalar["context_len"], a["a.attn"], self.workspace)),
             (O_PROJ.name, p.decode(w + "o_proj", a["a.attn"], x, residual=x)),
-            (NORM_MLP.name, lambda: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
+            (NORM_MLP.name, lambda: ops.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
             (GATE_UP.name, p.decode(w + "gate_up", y, a["a.gate_up"])),
             (DOWN.name, p.decode_swiglu(w + "down", a["a.gate_up"], x, residual=x)),
         ]
@@ -245,10 +245,10 @@ class GpuBackend:
     def head_launches(self, x=None) -> list[tuple[str, object]]:
         """Final norm of x (default the residual stream a.x; the prefill passes its last
         row), then lm_head with the argmax fused, into the token scalar."""
-        a, g = self.arena, self.gemv
+        a, ops = self.arena, self.ops
         x = a["a.x"] if x is None else x
-        return [(NORM_OUT.name, lambda: g.rmsnorm(x, a["w.norm"], a["a.y"], self.dims.rms_eps)),
-                (LM_HEAD.name, lambda: g.lm_head(a["a.y"], self.lm_head, a["a.logits"],
+        return [(NORM_OUT.name, lambda: ops.rmsnorm(x, a["w.norm"], a["a.y"], self.dims.rms_eps)),
+                (LM_HEAD.name, lambda: ops.lm_head(a["a.y"], self.lm_head, a["a.logits"],
                                                  token_out=self.scalar["token"]))]
 
     def head_step(self) -> None:
@@ -311,21 +311,21 @@ class GpuBackend:
         p.* buffers), as (region, launch) in gpu.layer.LAYER's order under the regions'
         prefill names: their K and V go to the pages, and attention reads all earlier ones
         there."""
-        a, d, g, pf, p = self.arena, self.dims, self.gemv, self.pf, self.proj
+        a, d, ops, pf, p = self.arena, self.dims, self.ops, self.pf, self.proj
         x, y, qkv, q = a["p.x"][:t], a["p.y"][:t], a["p.qkv"][:t], a["p.q"][:t]
         attn, gate_up, act, bt = a["p.attn"][:t], a["p.gate_up"][:t], a["p.act"][:t], a["s.block_table"]
-        out = [(EMBED.prefill, lambda: g.embed(a["s.prompt"][start:start + t], a["w.embed"], x))]
+        out = [(EMBED.prefill, lambda: ops.embed(a["s.prompt"][start:start + t], a["w.embed"], x))]
         for l in range(d.num_layers):
             w, k_pool, v_pool = f"w.{l}.", self.kv[l, 0], self.kv[l, 1]
             out += [
-                (NORM_IN.prefill, lambda w=w: g.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
+                (NORM_IN.prefill, lambda w=w: ops.rmsnorm(x, a[w + "ln1"], y, d.rms_eps)),
                 (QKV.prefill, p.prefill(w + "qkv", y, qkv, bias=a[w + "qkv.bias"])),
                 (ROPE.prefill, lambda k=k_pool, v=v_pool: pf.prefill_rope_write_kv(qkv, k, v, bt, q, d,
                                                                                    start_pos=start)),
                 (ATTENTION.prefill, lambda k=k_pool, v=v_pool: pf.prefill_attention(q, k, v, bt, attn, d,
                                                                                     start_pos=start)),
                 (O_PROJ.prefill, p.prefill(w + "o_proj", attn, x, residual=x)),
-                (NORM_MLP.prefill, lambda w=w: g.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
+                (NORM_MLP.prefill, lambda w=w: ops.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
                 (GATE_UP.prefill, p.prefill(w + "gate_up", y, gate_up)),
                 (DOWN.prefill, p.prefill_swiglu(w + "down", gate_up, act, x, residual=x)),
             ]

@@ -1,6 +1,6 @@
-"""Launchers for the decode GEMVs and the small decode kernels (kernels/gemv_int4.cu,
-decode_ops.cu, lm_head.cu): what the engines run (the earlier GEMV versions are
-nanoqwen_lib.gpu.lab.gemv).
+"""Launchers for the decode INT4 GEMVs (kernels/gemv_int4.cu): what the engines run (the
+earlier GEMV versions are nanoqwen_lib.gpu.lab.gemv; the small decode kernels and the
+lm_head are nanoqwen_lib.gpu.ops_decode, which shares this module's workspace).
 
 Every launcher takes CuPy arrays, checks dtype, shape, contiguity and 128-byte alignment
 of every buffer (a NanoqwenError naming the argument), and launches on the current
@@ -27,10 +27,6 @@ GROUP = load().format.group_size
 _TUNING = load().tuning
 GEMV_TUNING = dict(_TUNING["gemv_int4"].defines)
 GEMV_FALLBACK = dict(_TUNING["gemv_int4"].fallback)    # shapes the table does not name
-LMHEAD_TUNING = dict(_TUNING["lm_head"].defines)
-DECODE_TUNING = dict(_TUNING["decode_ops"].defines)
-LMHEAD_CTAS_PER_SM = 4          # persistent grid of the lm_head
-ARGMAX_CTAS_PER_SM = 1
 # Split-K: measured on the H200 (PERFLOG.md, v2), every extra slice costs more than it
 # gains, so K is split only as far as one CTA's range must fit its shared memory.
 SPLIT_TARGET_CTAS_PER_SM = 0    # split K until the grid has this many CTAs per SM (0: off) ...
@@ -197,76 +193,3 @@ def gemv_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None,
     _no_alias("gemv_int4_swiglu", "out", out, gate_up, "gate_up")
     launch_tiles("gemv_int4_swiglu", "nq_gemv_int4_swiglu", (gate_up,), ACT_BYTES_PER_GROUP,
                  qweight, scales, out, bias, residual, n, k, ksplit, tuning)
-
-
-# ---- the small decode kernels -------------------------------------------------------------
-def _decode_kernel(name: str):
-    return _kernel("decode_ops", name, tuple(sorted(DECODE_TUNING.items())))
-
-
-def rmsnorm(x, w, out, eps: float) -> None:
-    """out = fp16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps) * fp32(w)) per row; x, out fp16 [H]
-    (decode) or [rows, H] (prefill: one CTA per row), w fp16 [H]."""
-    h = getattr(x, "shape", (0,))[-1] if getattr(x, "ndim", 0) in (1, 2) else 0
-    if h < 8 or h % 8:
-        raise NanoqwenError("ops_gemv.rmsnorm", "x.shape", "(H,) or (rows, H), H a multiple of 8",
-                            getattr(x, "shape", None))
-    rows = x.shape[0] if x.ndim == 2 else 1
-    for f, a in (("x", x), ("out", out)):
-        _check("rmsnorm", f, a, np.float16, x.shape)
-    _check("rmsnorm", "w", w, np.float16, (h,))
-    _no_alias("rmsnorm", "out", out, x, "x")
-    _decode_kernel("nq_rmsnorm")((rows,), (DECODE_TUNING["NQ_DECODE_THREADS"],),
-                                 (x, w, out, np.int32(h), np.float32(eps)))
-
-
-def embed(token_dev, table, out) -> None:
-    """out[r] = table[token_dev[r]] (ids read on the device); a row is NaN if its id is out of
-    range. token_dev int32 [1] with out [H] (decode), or [rows] with out [rows, H] (prefill)."""
-    if getattr(table, "ndim", 0) != 2 or table.shape[1] % 8:
-        raise NanoqwenError("ops_gemv.embed", "table.shape", "(V, H), H a multiple of 8",
-                            getattr(table, "shape", None))
-    v, h = table.shape
-    rows = getattr(token_dev, "size", 0)
-    _check("embed", "token_dev", token_dev, np.int32, (max(rows, 1),))
-    _check("embed", "table", table, np.float16, (v, h))
-    _check("embed", "out", out, np.float16, (h,) if getattr(out, "ndim", 0) == 1 and rows == 1 else (rows, h))
-    _decode_kernel("nq_embed")((1, rows), (DECODE_TUNING["NQ_DECODE_THREADS"],),
-                               (token_dev, table, out, np.int32(h), np.int32(v)))
-
-
-def argmax(logits, token_out, *, ctas=None) -> None:
-    """token_out[0] = argmax(logits) (fp32 [V]), ties -> lowest index."""
-    v = getattr(logits, "size", 0)
-    _check("argmax", "logits", logits, np.float32, (max(v, 1),))
-    _check("argmax", "token_out", token_out, np.int32, (1,))
-    ws = workspace()
-    threads = DECODE_TUNING["NQ_DECODE_THREADS"]
-    grid = ctas or max(1, min(ARGMAX_CTAS_PER_SM * num_sms(), -(-v // (4 * threads))))
-    _decode_kernel("nq_argmax")((grid,), (threads,),
-                                (logits, np.int32(v), ws.part_val, ws.part_idx, ws.argmax_counter, token_out))
-
-
-def lm_head(x, weight, logits, token_out=None, *, ctas=None, tuning=None) -> None:
-    """logits fp32 [V] = W.x (W fp16 [V, H], x fp16 [H]); with token_out also the argmax."""
-    if getattr(weight, "ndim", 0) != 2 or weight.shape[1] % 8:
-        raise NanoqwenError("ops_gemv.lm_head", "weight.shape", "(V, H), H a multiple of 8",
-                            getattr(weight, "shape", None))
-    v, h = weight.shape
-    _check("lm_head", "x", x, np.float16, (h,))
-    _check("lm_head", "weight", weight, np.float16, (v, h))
-    _check("lm_head", "logits", logits, np.float32, (v,))
-    if token_out is not None:
-        _check("lm_head", "token_out", token_out, np.int32, (1,))
-    if 4 * h > 48 * 1024:
-        raise LimitError("ops_gemv.lm_head", "hidden size", "<= 12288 (fp32 x in 48 KiB)", h)
-    t = tuning or LMHEAD_TUNING
-    rows_per_cta = t["NQ_LMHEAD_WARPS"] * t["NQ_LMHEAD_ROWS_PER_WARP"]
-    grid = ctas or min(LMHEAD_CTAS_PER_SM * num_sms(), -(-v // rows_per_cta))
-    ws = workspace()
-    if grid > ws.part_val.size:
-        raise LimitError("ops_gemv.lm_head", "ctas", f"<= {ws.part_val.size}", grid)
-    kern = _kernel("lm_head", "nq_lm_head", tuple(sorted(t.items())))
-    kern((grid,), (32 * t["NQ_LMHEAD_WARPS"],),
-         (x, weight, logits, np.int32(v), np.int32(h), ws.part_val, ws.part_idx, ws.argmax_counter,
-          _ptr(token_out)), shared_mem=4 * h)
