@@ -59,7 +59,7 @@ def test_synthetic_checkpoint_accepts_a_concurrent_winner(tmp_path, monkeypatch)
     monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
     final = cache.synthetic_checkpoint_path("tiny")
 
-    def racing_synthesize(dims, seed, out, progress=True):
+    def racing_synthesize(dims, seed, out, progress=True, label=None):
         (Path(out) / "mine").write_text("ours")
         final.mkdir()                                        # the other process wins the rename
         (final / "theirs").write_text("theirs")

@@ -6,7 +6,7 @@
 Napkin math: a context of T tokens reads K and V once, T x 4 KV heads x 128 x 2 B x 2 =
 2 KiB per token (64 MiB at 32768), so at the read ceiling (~4.5 TB/s here, re-measured in
 this process) the floor is ~15 us at 32768 and ~0.23 us at 512, where launch latency and
-the per-CTA prologue dominate instead. Method (shared/device/README.md, METHOD.md): each
+the per-CTA prologue dominate instead. Method (book/design.md, the measurement protocol): each
 timed unit is a CUDA graph of R launches over R different page tables of one pool with
 R x bytes >= 256 MiB, so the data never sits in the 60 MiB L2 between launches; events
 around graph replays, warm-up, median over replays, divided by R. K/V are random fp16 (not
