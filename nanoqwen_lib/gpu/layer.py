@@ -109,8 +109,3 @@ def decode_region_bytes(dims: ModelDims, context_tokens: int, encoding: str = "i
     for r in step_regions(dims):
         out[r.name] = out.get(r.name, 0) + r.bytes(dims, context_tokens, encoding)
     return out
-
-
-def layer_region_bytes(dims: ModelDims, context_tokens: int, encoding: str = "int4") -> list[tuple[str, int]]:
-    """(region, bytes) for each launch of one decoder layer, in order."""
-    return [(r.name, r.bytes(dims, context_tokens, encoding)) for r in LAYER]
