@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from nanoqwen_lib.errors import NanoqwenError
-from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, device_ptr
+from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_int4_weights, check_no_alias, device_ptr
 
 
 class FakeDeviceArray:
     def __init__(self, shape, dtype, ptr, contiguous=True):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
         self.flags = types.SimpleNamespace(c_contiguous=contiguous)
         self.strides = (0,) * len(shape)
         self.data = types.SimpleNamespace(ptr=ptr)
@@ -57,3 +57,21 @@ def test_ops_modules_route_through_the_shared_checks():
         with pytest.raises(NanoqwenError) as ei:
             mod._check("fn", "x", bad, np.float16, (8,))
         assert ei.value.file == f"{mod.__name__.split('.')[-1]}.fn"
+
+
+def test_int4_weights_give_n_k_and_refuse_what_no_kernel_can_read():
+    """One check for the GEMV and the prefill GEMM: (N, K) of uint32 codes [N, K/8] with fp16
+    scales [N, K/128]; K must hold at least one group (K = 0 would launch an empty range)."""
+    qw = FakeDeviceArray((4608, 3584 // 8), np.uint32, 128)
+    sc = FakeDeviceArray((4608, 3584 // 128), np.float16, 256)
+    assert check_int4_weights("ops_gemv.gemv_int4", qw, sc) == (4608, 3584)
+    for bad_qw, bad_sc, field in [
+        (FakeDeviceArray((4608, 0), np.uint32, 128), FakeDeviceArray((4608, 0), np.float16, 256), "qweight.shape"),
+        (FakeDeviceArray((4608, 3), np.uint32, 128), sc, "qweight.shape"),                 # K = 24
+        (FakeDeviceArray((4608,), np.uint32, 128), sc, "qweight.shape"),
+        (FakeDeviceArray((4608, 448), np.int32, 128), sc, "qweight.dtype"),
+        (qw, FakeDeviceArray((4608, 27), np.float16, 256), "scales.shape"),
+    ]:
+        with pytest.raises(NanoqwenError) as ei:
+            check_int4_weights("ops_prefill.gemm_int4", bad_qw, bad_sc)
+        assert ei.value.field == field and "ops_prefill.gemm_int4" in str(ei.value), str(ei.value)

@@ -35,3 +35,17 @@ def check_no_alias(where: str, field: str, a, b, other: str) -> None:
 def device_ptr(a) -> np.uint64:
     """A kernel argument for an optional buffer: its address, or 0 for None."""
     return np.uint64(0 if a is None else a.data.ptr)
+
+
+def check_int4_weights(where: str, qweight, scales) -> tuple[int, int]:
+    """(N, K) of a packed INT4 projection (uint32 codes [N, K/8], fp16 scales [N, K/group]),
+    checked as a device buffer each; K at least one group and a multiple of it."""
+    group = load().format.group_size
+    if getattr(qweight, "ndim", 0) != 2:
+        raise NanoqwenError(where, "qweight.shape", "(N, K/8)", getattr(qweight, "shape", None))
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if n < 1 or k < group or k % group:
+        raise NanoqwenError(where, "qweight.shape", f"N >= 1 and K a multiple of {group}", (n, k))
+    check_device_buffer(where, "qweight", qweight, np.uint32, (n, k // 8))
+    check_device_buffer(where, "scales", scales, np.float16, (n, k // group))
+    return n, k

@@ -27,7 +27,7 @@ import numpy as np
 from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.config import ModelDims, load
 from nanoqwen_lib.errors import LimitError, NanoqwenError
-from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, device_ptr
+from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_int4_weights, check_no_alias, device_ptr
 
 GROUP = load().format.group_size
 PAGE_TOKENS = load().kv_cache.page_tokens
@@ -71,15 +71,8 @@ _ptr = device_ptr
 
 
 def _weights(fn: str, qweight, scales) -> tuple[int, int]:
-    """(N, K) of a packed INT4 projection, checked."""
-    if getattr(qweight, "ndim", 0) != 2:
-        raise NanoqwenError(f"ops_prefill.{fn}", "qweight.shape", "(N, K/8)", getattr(qweight, "shape", None))
-    n, k = qweight.shape[0], qweight.shape[1] * 8
-    if n < 1 or k < GROUP or k % GROUP:
-        raise NanoqwenError(f"ops_prefill.{fn}", "qweight.shape", f"N >= 1 and K a multiple of {GROUP}", (n, k))
-    _check(fn, "qweight", qweight, np.uint32, (n, k // 8))
-    _check(fn, "scales", scales, np.float16, (n, k // GROUP))
-    return n, k
+    """(N, K) of a packed INT4 projection, checked (launch_checks.check_int4_weights)."""
+    return check_int4_weights(f"ops_prefill.{fn}", qweight, scales)
 
 
 def _tokens(fn: str, field: str, a) -> int:
