@@ -109,6 +109,7 @@ def pack(sdist: Path, out: Path) -> Path:
                 m.name = rel
             else:
                 continue
+            m.pax_headers.pop("path", None)      # a long name lives there and would win over m.name
             dst.addfile(m, src.extractfile(m) if m.isfile() else None)
         blob = json.dumps({"llama_cpp_python": version, "llama_cpp_commit": commit}).encode()
         info = tarfile.TarInfo("VERSION")
@@ -145,11 +146,15 @@ def cublas_hints() -> list[str]:
             f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
 
 
-def build(src: Path, build_dir: Path, cuda: bool, jobs: int) -> Path:
-    """cmake + ninja, only the targets used; -> the bin directory (tools and shared libs)."""
+def build(src: Path, build_dir: Path, cuda: bool, jobs: int, portable: bool = False) -> Path:
+    """cmake + ninja, only the targets used; -> the bin directory (tools and shared libs).
+    portable: no -march=native (for a build made on one machine and run on another)."""
     args = ["cmake", "-S", src, "-B", build_dir, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
             "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-            "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"]
+            "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+            f"-DGGML_NATIVE={'OFF' if portable else 'ON'}"]
+    if cuda and portable:   # a machine without a driver has no libcuda to link: the legacy memory pool
+        args.append("-DGGML_CUDA_NO_VMM=ON")
     if cuda:
         args += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_CUDA_NCCL=OFF", *cublas_hints()]
         nvcc = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
@@ -158,6 +163,41 @@ def build(src: Path, build_dir: Path, cuda: bool, jobs: int) -> Path:
     sh(args)
     sh(["cmake", "--build", build_dir, "-j", str(jobs), "--target", "llama-quantize", "llama-bench", "llama"])
     return build_dir / "bin"
+
+
+BUILT = ("llama-quantize", "llama-bench")
+
+
+def pack_build(bin_dir: Path, info: dict, out: Path) -> Path:
+    """The built tools and shared libraries (stripped) in one tarball with the build's facts,
+    so that a build made here runs on the device without spending its minutes on a compile."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    files = [bin_dir / n for n in BUILT] + sorted(p for p in bin_dir.glob("lib*.so*") if not p.is_symlink())
+    for f in files:
+        subprocess.run(["strip", "--strip-unneeded", str(f)], check=False)
+    tmp = out.with_name(out.name + ".tmp")
+    with tarfile.open(tmp, "w:xz") as t:
+        for f in files:
+            t.add(f, arcname=f.name)
+        for link in (p for p in bin_dir.glob("lib*.so*") if p.is_symlink()):
+            t.add(link, arcname=link.name)
+        data = json.dumps({**info, "built_on": os.uname().nodename}).encode()
+        ti = tarfile.TarInfo("build.json")
+        ti.size = len(data)
+        t.addfile(ti, __import__("io").BytesIO(data))
+    tmp.replace(out)
+    log(f"packed the build: {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return out
+
+
+def unpack_build(tarball: Path, bin_dir: Path) -> dict:
+    """pack_build's tarball -> bin_dir; the build's facts, marked as made elsewhere."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarball) as t:
+        t.extractall(bin_dir, filter="tar")
+    info = json.loads((bin_dir / "build.json").read_text())
+    log(f"using the prebuilt llama.cpp from {tarball}: {info}")
+    return {**info, "prebuilt": True}
 
 
 # ---------------------------------------------------------------- convert, quantize, time
@@ -341,12 +381,19 @@ def run(a) -> dict | None:
     if "build" in steps:
         t0 = time.time()
         try:
-            build(src, bin_dir.parent, a.cuda, a.jobs)
+            build(src, bin_dir.parent, a.cuda, a.jobs, a.portable)
         except BaseException:
             if converting is not None:
                 converting.kill()
             raise
-        state["build"] = {"cuda": a.cuda, "arch": "sm_90" if a.cuda else "cpu", "seconds": round(time.time() - t0, 1)}
+        state["build"] = {"cuda": a.cuda, "arch": "sm_90" if a.cuda else "cpu", "seconds": round(time.time() - t0, 1),
+                          "portable": a.portable, "vmm_pool": not (a.cuda and a.portable)}
+        if a.pack_build:
+            pack_build(bin_dir, state["build"], Path(a.pack_build))
+    elif a.prebuilt and not bin_dir.exists():
+        state["build"] = unpack_build(Path(a.prebuilt), bin_dir)
+        if a.cuda:
+            cublas_hints()
     elif a.cuda:
         cublas_hints()                                       # LD_LIBRARY_PATH for pip's cuBLAS, if used
     os.environ["LLAMA_CPP_LIB_PATH"] = str(bin_dir)
@@ -404,6 +451,9 @@ def main(argv=None):
     r.add_argument("--prompt-tokens", type=int, default=0)
     r.add_argument("--gen-tokens", type=int, default=0)
     r.add_argument("--steps", default=",".join(STEPS), help=f"a subset of {','.join(STEPS)} (default: all)")
+    r.add_argument("--portable", action="store_true", help="build without -march=native")
+    r.add_argument("--pack-build", default="", help="after the build step, pack the tools and libraries here")
+    r.add_argument("--prebuilt", default="", help="a --pack-build tarball to use instead of building")
     r.add_argument("--drop-f16", action="store_true", help="remove the f16 GGUF once both quantizations exist")
     a = ap.parse_args(argv)
     if a.cmd == "pack":
