@@ -86,3 +86,30 @@ def test_prefill_buffers_hold_one_chunk(max_tokens):
                         ("p.act", dims.intermediate), ("p.attn", dims.q_dim)):
         assert plan.slots[name][2] == (rows, width), name
     assert plan.slots["s.prompt"][2][0] >= max_tokens
+
+
+@pytest.mark.parametrize("name", ["tiny", "7b"])
+@pytest.mark.parametrize("tokens,start", [(1, 0), (17, 0), (512, 0), (100, 412)])
+def test_prefill_region_flops_add_up(name, tokens, start):
+    """The prefill breakdown's floors: the regions' FLOPs are layout.prefill_flops' projections
+    and attention (a chunk after `start` rows attends to them too); elementwise regions none."""
+    from nanoqwen_lib.format.layout import prefill_flops
+    from nanoqwen_lib.gpu.layer import prefill_region_flops
+    d = load().model(name)
+    f = prefill_region_flops(d, tokens, start)
+    want = prefill_flops(d, tokens)
+    assert sum(v for k, v in f.items() if k.endswith("_gemm")) == want["projections"]
+    causal = d.num_layers * d.num_heads * 4 * d.head_dim * (tokens * start + tokens * (tokens + 1) // 2)
+    assert f["prefill_attention"] == causal
+    if start == 0:
+        assert f["prefill_attention"] == want["attention"]
+    assert f["norms"] == f["rope_write_kv"] == f["embed"] == 0
+
+
+def test_prefill_breakdown_table_formats():
+    from nanoqwen_lib.measure.breakdown import format_prefill_breakdown
+    b = {"tokens": 512, "kind": "k", "tensor_ceiling_tflops": 790.0, "regions_sum_ms": 3.0, "floor_ms": 1.0,
+         "regions": {"gate_up_gemm": {"ms": 2.0, "flops": 790e9, "tflops": 395.0, "floor_ms": 1.0},
+                     "norms": {"ms": 1.0, "flops": 0, "tflops": None, "floor_ms": None}}}
+    text = format_prefill_breakdown(b)
+    assert "gate_up_gemm" in text and "50.0%" in text and "33.3%" in text

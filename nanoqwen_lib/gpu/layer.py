@@ -43,6 +43,7 @@ class Region:
     matrix: str | None = None
     reads: Callable[[ModelDims, int], int] = _nothing
     activations: Callable[[ModelDims, int], int] = _nothing
+    work: Callable[[ModelDims, int, int], int] = lambda dims, tokens, start: 0   # FLOPs besides a matrix
 
     def bytes(self, dims: ModelDims, context_tokens: int, encoding: str) -> int:
         """What one occurrence must read from device memory at a context of `context_tokens`
@@ -53,6 +54,15 @@ class Region:
             own += projection_bytes(encoding, *decode_gemv_shapes(dims)[self.matrix])
         return own
 
+    def flops(self, dims: ModelDims, tokens: int, start: int = 0) -> int:
+        """Multiply-add work (2 FLOP each) of one occurrence in a prefill of `tokens` rows
+        that follow `start` earlier ones: its matrix for every row; causal attention over
+        the triangle (QK^T and PV, every head); 0 for the elementwise regions."""
+        if self.matrix is not None:
+            n, k = decode_gemv_shapes(dims)[self.matrix]
+            return 2 * n * k * tokens
+        return self.work(dims, tokens, start)
+
     def traffic(self, dims: ModelDims, context_tokens: int, encoding: str) -> int:
         """Everything one occurrence reads and writes: bytes() plus its activations."""
         return self.bytes(dims, context_tokens, encoding) + self.activations(dims, context_tokens)
@@ -60,6 +70,12 @@ class Region:
 
 def _kv_reads(dims: ModelDims, context_tokens: int) -> int:
     return 2 * dims.kv_dim * load().kv_cache.dtype_bytes * context_tokens
+
+
+def _attention_flops(dims: ModelDims, tokens: int, start: int) -> int:
+    """QK^T and PV for every head over the causal (query, key) pairs of a chunk."""
+    pairs = tokens * start + tokens * (tokens + 1) // 2
+    return 2 * 2 * dims.num_heads * dims.head_dim * pairs
 
 
 F = FP16_BYTES
@@ -72,7 +88,7 @@ QKV = Region("qkv_gemv", "qkv_gemm", "qkv GEMV + bias", "qkv", reads=lambda d, c
              activations=lambda d, c: (d.hidden + d.qkv_dim) * F)                    # y in, qkv out
 ROPE = Region("rope_append_kv", "rope_write_kv", "RoPE + append K/V",
               activations=lambda d, c: (d.qkv_dim + d.q_dim + 2 * d.kv_dim) * F)    # qkv in; q, k, v out
-ATTENTION = Region("paged_attention", "prefill_attention", "paged attention", reads=_kv_reads,
+ATTENTION = Region("paged_attention", "prefill_attention", "paged attention", reads=_kv_reads, work=_attention_flops,
                    activations=lambda d, c: 2 * d.q_dim * F)                         # q in, attn out
 O_PROJ = Region("o_proj", "o_proj_gemm", "o_proj GEMV + residual", "o_proj",
                 activations=lambda d, c: (d.q_dim + 2 * d.hidden) * F)               # attn, x in; x out
@@ -99,6 +115,17 @@ def step_regions(dims: ModelDims) -> list[Region]:
 def prefill_regions(dims: ModelDims) -> list[Region]:
     """Every region of one prefill chunk, in launch order (GpuBackend.prefill_launches)."""
     return [EMBED, *LAYER * dims.num_layers]
+
+
+def prefill_region_flops(dims: ModelDims, tokens: int, start: int = 0) -> dict[str, int]:
+    """Prefill region name -> FLOPs of all its occurrences in one chunk of `tokens` rows
+    after `start` earlier ones; each region's floor is this over the tensor-core ceiling
+    (the prefill breakdown's table). The projections and attention add up to
+    layout.prefill_flops' (less the lm_head's last row, which the first decode step runs)."""
+    out: dict[str, int] = {}
+    for r in prefill_regions(dims):
+        out[r.prefill] = out.get(r.prefill, 0) + r.flops(dims, tokens, start)
+    return out
 
 
 def decode_region_bytes(dims: ModelDims, context_tokens: int, encoding: str = "int4") -> dict[str, int]:

@@ -75,7 +75,7 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
                   progress=print, prefill: str = "tensor-core", breakdown: bool = False) -> dict:
     """The protocol; with breakdown=True also the ITL breakdown (breakdown.itl_breakdown) on
     the same engine after the timed run."""
-    from nanoqwen_lib.measure.breakdown import itl_breakdown
+    from nanoqwen_lib.measure.breakdown import itl_breakdown, prefill_breakdown
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.measure.timing import measure_read_ceiling
     proto = load().benchmark
@@ -92,10 +92,13 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
         timed_request(engine, prompt, gen_tokens)
     progress("timed run")
     run = timed_request(engine, prompt, gen_tokens)
-    parts = None
+    parts = pre = None
     if breakdown:
         progress("ITL breakdown (graph and eager steps, then each region alone)")
         parts = itl_breakdown(engine, prompt)
+        if engine.prefill_mode == "tensor-core" and prompt_tokens <= engine.chunk:
+            progress("prefill breakdown (each region alone, against its FLOP floor)")
+            pre = prefill_breakdown(engine, prompt)
     progress("measuring the read ceiling")
     ceiling = measure_read_ceiling()
     itl = _stats(run["itl_ms"])
@@ -117,6 +120,7 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
         "mbu": bytes_tok / (itl["median"] * 1e-3) / (ceiling["tbps"] * 1e12),
         "tokens": run["tokens"],
         **({"itl_breakdown": parts} if parts else {}),
+        **({"prefill_breakdown": pre} if pre else {}),
         "conditions": gpu_conditions(),
         "git_commit": git_commit(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -139,6 +143,9 @@ def format_report(r: dict) -> str:
     if "itl_breakdown" in r:
         from nanoqwen_lib.measure.breakdown import format_breakdown
         lines.append(format_breakdown(r["itl_breakdown"]))
+    if "prefill_breakdown" in r:
+        from nanoqwen_lib.measure.breakdown import format_prefill_breakdown
+        lines.append(format_prefill_breakdown(r["prefill_breakdown"]))
     if "peers" in r:
         from nanoqwen_lib.measure.peers import format_peers
         lines += format_peers(r)

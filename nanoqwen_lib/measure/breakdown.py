@@ -101,6 +101,42 @@ def prefill_region_times(engine, prompt: list[int], iters: int = 10) -> dict[str
     return out
 
 
+def prefill_breakdown(engine, prompt: list[int], iters: int = 10, tensor_tflops: float | None = None) -> dict:
+    """The prefill of `prompt` (one chunk) region by region against each region's FLOP floor:
+    its FLOPs (gpu.layer.prefill_region_flops) over the dense FP16 tensor-core rate measured
+    now (timing.measure_tensor_ceiling, cuBLAS), unless given. Regions without FLOPs (norms,
+    RoPE, embed) get no floor."""
+    from nanoqwen_lib.gpu.layer import prefill_region_flops
+    from nanoqwen_lib.measure.timing import measure_tensor_ceiling
+    ms = prefill_region_times(engine, prompt, iters=iters)
+    flops = prefill_region_flops(engine.dims, len(prompt))
+    rate = tensor_tflops or measure_tensor_ceiling()["tflops"]
+    rows = {}
+    for region, t in ms.items():
+        f = flops.get(region, 0)
+        rows[region] = {"ms": t, "flops": f, "tflops": f / (t * 1e-3) / 1e12 if f else None,
+                        "floor_ms": f / (rate * 1e12) * 1e3 if f else None}
+    total = sum(ms.values())
+    floor = sum(flops.values()) / (rate * 1e12) * 1e3
+    return {"tokens": len(prompt), "iters": iters, "tensor_ceiling_tflops": rate, "regions": rows,
+            "regions_sum_ms": total, "floor_ms": floor, "kind": engine.prefill_kind}
+
+
+def format_prefill_breakdown(b: dict) -> str:
+    lines = [f"prefill breakdown, {b['tokens']} tokens ({b['kind']}; medians, regions replayed alone; "
+             f"floors at {b['tensor_ceiling_tflops']:.0f} TFLOP/s, cuBLAS FP16 measured now)",
+             f"{'region':<20}{'ms':>9}{'floor ms':>10}{'TFLOP/s':>9}{'of ceiling':>12}"]
+    for region, r in b["regions"].items():
+        if r["flops"]:
+            lines.append(f"{region:<20}{r['ms']:>9.3f}{r['floor_ms']:>10.3f}{r['tflops']:>9.0f}"
+                         f"{r['floor_ms'] / r['ms']:>12.1%}")
+        else:
+            lines.append(f"{region:<20}{r['ms']:>9.3f}{'-':>10}{'-':>9}{'-':>12}")
+    lines.append(f"{'sum of regions':<20}{b['regions_sum_ms']:>9.3f}{b['floor_ms']:>10.3f}{'':>9}"
+                 f"{b['floor_ms'] / b['regions_sum_ms']:>12.1%}")
+    return "\n".join(lines)
+
+
 def format_breakdown(b: dict) -> str:
     lines = [f"ITL breakdown at a context of {b['context_tokens']} tokens (medians; regions replayed alone)",
              f"{'region':<20}{'ms/token':>10}{'of graph ITL':>14}"]

@@ -119,3 +119,22 @@ def measure_read_ceiling(nbytes: int = 4 << 30, iters: int = 10) -> dict:
 def read_ceiling_tbps(nbytes: int = 4 << 30, iters: int = 10) -> float:
     """Measured read bandwidth of the current device, TB/s (1e12 bytes/s)."""
     return measure_read_ceiling(nbytes, iters)["tbps"]
+
+
+def measure_tensor_ceiling(n: int = 8192, iters: int = 10) -> dict:
+    """Dense FP16 tensor-core rate of the current device: cuBLAS (cupy.matmul) on an n x n x n
+    product of random fp16 matrices, FP32 accumulation: {'tflops', 'n', 'median', ...}. The
+    prefill's counterpart of the read ceiling (random data: zeros run faster)."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b = rng.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    c = cp.empty((n, n), cp.float16)
+
+    def run():
+        cp.matmul(a, b, out=c)
+
+    t = time_cuda(run, warmup=3, iters=iters)
+    del a, b, c
+    return {"tflops": 2 * n ** 3 / (t["median"] * 1e-3) / 1e12, "n": n, **t}
