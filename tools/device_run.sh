@@ -23,6 +23,7 @@ for what in "$@"; do
     bench|bench-peers)
       f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b'))")
       peers=""; [ $what = bench-peers ] && peers=--peers
+      [ $what = bench-peers ] && [ -f .peers/llama-cpp.json ] && peers="$peers --llama-cpp .peers/llama-cpp.json"
       python3 -m nanoqwen_lib bench "$f" --no-verify --breakdown $peers --json $OUT/$what.json 2>&1 | tee $OUT/$what.log | grep -v '^\[' ;;
     cli)
       f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic as p; print(p('tiny'))")
@@ -84,6 +85,19 @@ for what in "$@"; do
       timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_gemv.py -k bulk 2>&1 | tee $OUT/gemv-bulk.log | tail -6
       timeout 200 python3 tools/bench_gemv.py --quick --out $OUT/bench-gemv.json 2>&1 | tee $OUT/bench-gemv.log | grep -E "bulk|prmt-mma( |$)|ceiling" | head -60 ;;
     unverified-tests) timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_gemv.py tests/test_gpu_prefill.py 2>&1 | tee $OUT/unverified.log | tail -6 ;;
+    llama-convert)
+      # llama.cpp, part 1: the prebuilt tools (carried: .peers/llama-cpp-build-sm90.tar.xz, built by
+      # tools/llama_cpp_bench.py --portable --pack-build on a CPU machine), the 7B synthesized and converted.
+      python3 -m pip install -q --no-index --find-links .whl diskcache 2>&1 | tail -1
+      timeout ${LLAMA_TIMEOUT:-560} python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
+        --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps convert --out $OUT/llama-cpp-convert.json 2>&1 | tail -8 ;;
+    llama-bench)
+      # llama.cpp, part 2 (same warm machine): quantize, time, check; the JSON stays in .peers for bench-peers.
+      python3 -m pip install -q --no-index --find-links .whl diskcache 2>&1 | tail -1
+      timeout ${LLAMA_TIMEOUT:-560} python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
+        --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps quantize,bench,check --drop-f16 \
+        --out .peers/llama-cpp.json 2>&1 | tail -8; cp .peers/llama-cpp.json $OUT/ ;;
+    bench-prefill) timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_prefill.py --json $OUT/bench-prefill.json 2>&1 | tee $OUT/bench-prefill.log | tail -30 ;;
     book)
       for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done
       tar czf $OUT/notebooks.tgz book/*.ipynb

@@ -133,7 +133,15 @@ def cublas_hints() -> list[str]:
     heads = sorted(glob.glob(str(site / "nvidia" / "**" / "cublas_v2.h"), recursive=True))
     if not libs["cublas"] or not libs["cublasLt"] or not heads:
         raise RuntimeError(f"no cuBLAS in {cuda} nor under {site / 'nvidia'}: llama.cpp's CUDA backend links it")
-    inc = str(Path(heads[0]).parent)
+    # Only cuBLAS's own headers: the wheel's folder also holds a CUDA runtime's headers, which
+    # must not shadow those of the nvcc that compiles (CCCL refuses a version mismatch).
+    inc_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "nq-cublas-include"
+    inc_dir.mkdir(exist_ok=True)
+    for h in Path(heads[0]).parent.glob("cublas*.h"):
+        link = inc_dir / h.name
+        if not link.exists():
+            link.symlink_to(h)
+    inc = str(inc_dir)
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
         [str(Path(libs["cublas"][0]).parent), os.environ.get("LD_LIBRARY_PATH", "")])
     log(f"cuBLAS from pip: {libs['cublas'][0]}, headers {inc}")
