@@ -38,16 +38,16 @@
 #include "gemv_int4.cuh"   // unpack_int4x8_half2, mma_16816, ldg_stream, silu_mul, Epilogue, store_row
 
 #ifndef NQ_S3_WARPS   // warps (tiles) per CTA
-#error "NQ_S3_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning lab/gemv_stream3)"
+#error "NQ_S3_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_S3_RING   // groups in flight per warp
-#error "NQ_S3_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning lab/gemv_stream3)"
+#error "NQ_S3_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_S3_MIN_CTAS   // __launch_bounds__ minimum CTAs per SM (caps registers)
-#error "NQ_S3_MIN_CTAS: set by nanoqwen_lib.config (nanoqwen.yaml tuning lab/gemv_stream3)"
+#error "NQ_S3_MIN_CTAS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_S3_FOLD   // 1: the MMA reads offset codes, one correction per group (gemv_int4.cuh [fold])
-#error "NQ_S3_FOLD: set by nanoqwen_lib.config (nanoqwen.yaml tuning lab/gemv_stream3)"
+#error "NQ_S3_FOLD: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_STREAM_LAYOUT_ID
 #error "NQ_STREAM_LAYOUT_ID: set by nanoqwen_lib.config (nanoqwen.yaml format)"
