@@ -17,7 +17,7 @@ from nanoqwen_lib.gpu import cuda_build
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-KNOBS = [{}, {"NQ_S3_FOLD": 1}, {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 2}, {"NQ_S3_RING": 2},
+KNOBS = [{}, {"NQ_S3_FOLD": 1}, {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3}, {"NQ_S3_RING": 2},
          {"NQ_S3_RING": 8, "NQ_S3_MIN_CTAS": 2}, {"NQ_S3_RING": 8, "NQ_S3_MIN_CTAS": 2, "NQ_S3_FOLD": 1},
          {"NQ_S3_MIN_CTAS": 6}, {"NQ_S3_MIN_CTAS": 6, "NQ_S3_FOLD": 1}]
 ENTRIES = ("nq_gemv_s3", "nq_gemv_s3_swiglu")

@@ -276,8 +276,8 @@ def test_s3_odd(rng, n, k, ksplit):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tuning", [{"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 2},
-                                    {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 2, "NQ_S3_FOLD": 1},
+@pytest.mark.parametrize("tuning", [{"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3},
+                                    {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3, "NQ_S3_FOLD": 1},
                                     {"NQ_S3_RING": 2}, {"NQ_S3_RING": 8, "NQ_S3_MIN_CTAS": 2},
                                     {"NQ_S3_RING": 8, "NQ_S3_MIN_CTAS": 2, "NQ_S3_FOLD": 1}, {"NQ_S3_MIN_CTAS": 6}])
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, None), (130, 1152, 3), (1000, 18944, 1)])

@@ -174,8 +174,8 @@ def bench_shape(name, n, k, ceiling, l2, quick, bulk_only=False):
 S3_VARIANTS = (("s3", {}, None), ("s3 FOLD", {"NQ_S3_FOLD": 1}, None),
                ("s3 C6", {"NQ_S3_MIN_CTAS": 6}, None), ("s3 C6 FOLD", {"NQ_S3_MIN_CTAS": 6, "NQ_S3_FOLD": 1}, None),
                ("s3 R2", {"NQ_S3_RING": 2}, None), ("s3 R8 C2", {"NQ_S3_RING": 8, "NQ_S3_MIN_CTAS": 2}, None),
-               ("s3 W8 C2", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 2}, None),
-               ("s3 W8 C2 FOLD", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 2, "NQ_S3_FOLD": 1}, None))
+               ("s3 W8 C3", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3}, None),
+               ("s3 W8 C3 FOLD", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3, "NQ_S3_FOLD": 1}, None))
 S3_KSPLITS = {"qkv": (1, 2, 4, 14), "o_proj": (1, 2, 4, 14), "gate_up": (2, 4), "down": (4, 6, 8, 14, 20)}
 
 
@@ -221,7 +221,7 @@ def bench_s3(name, n, k, ceiling, l2, quick):
                 gate_up, q, out, residual=out, ksplit=s_, tuning=t), s3_copies, nb, ksplit=s_)
         for s_ in S3_KSPLITS[name]:
             for label, tv in (("swiglu s3", {}), ("swiglu s3 FOLD", {"NQ_S3_FOLD": 1}),
-                              ("swiglu s3 W8 C2 FOLD", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 2, "NQ_S3_FOLD": 1})):
+                              ("swiglu s3 W8 C3 FOLD", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3, "NQ_S3_FOLD": 1})):
                 run(f"{label} ks={s_}", lambda q, _, t=tv, s_=s_: lab_gemv.gemv_int4_s3_swiglu(
                     gate_up, q, out, residual=out, ksplit=s_, tuning=t), s3_copies, nb, ksplit=s_)
     del copies, s3_copies

@@ -2,7 +2,7 @@
 //   nq_gemv_s3          out = fp16([residual +] W.x [+ bias]); x fp16 [K]
 //   nq_gemv_s3_swiglu   same, x = fp16(silu(g) * u) formed from gate_up fp16 [2K] per CTA
 //   compile-time: NQ_S3_{WARPS,RING,MIN_CTAS,FOLD} (nanoqwen.yaml tuning lab/gemv_stream3)
-// nq-variants: NQ_S3_FOLD=1; NQ_S3_WARPS=8,NQ_S3_MIN_CTAS=2; NQ_S3_WARPS=8,NQ_S3_MIN_CTAS=2,NQ_S3_FOLD=1; NQ_S3_RING=2; NQ_S3_RING=8,NQ_S3_MIN_CTAS=2; NQ_S3_RING=8,NQ_S3_MIN_CTAS=2,NQ_S3_FOLD=1; NQ_S3_MIN_CTAS=6
+// nq-variants: NQ_S3_FOLD=1; NQ_S3_WARPS=8,NQ_S3_MIN_CTAS=3; NQ_S3_WARPS=8,NQ_S3_MIN_CTAS=3,NQ_S3_FOLD=1; NQ_S3_RING=2; NQ_S3_RING=8,NQ_S3_MIN_CTAS=2; NQ_S3_RING=8,NQ_S3_MIN_CTAS=2,NQ_S3_FOLD=1; NQ_S3_MIN_CTAS=6
 //
 // [s3-layout]
 // Layout 3 (nanoqwen_lib/format/stream_layout.py states it byte by byte): the rows in tiles
@@ -31,7 +31,8 @@
 // uint4 + one half2 of scales); it refills a slot right after multiplying it, so RING - 1 to
 // RING groups = 3.1-4.2 KB (RING 4) are in flight per warp from its first load to its last.
 // gate_up (T = 2368 tiles, ksplit 1): 592 CTAs of 4 warps, ~4.5 CTAs = 18 warps per SM
-// (one wave: the register cap NQ_S3_MIN_CTAS = 4..6 CTAs per SM), ~57-76 KB per SM in flight,
+// (one wave: NQ_S3_MIN_CTAS = 5 caps registers at 96, so 5 CTAs = 660 slots fit; 101 uncapped
+// would allot 104 a lane and fit only 4 = 528 slots, two waves), ~57-76 KB per SM in flight,
 // 2-3x the 24 KB needed. down (T = 224, ksplit ~10): ~17 warps per SM, ~70 KB per SM.
 // The first RING loads are issued before the x staging, so staging hides under them.
 // [/s3-work]
