@@ -283,6 +283,7 @@ class FormatSpec:
     version: int
     layout_id: int
     fp8_layout_id: int
+    stream_layout_id: int
     fp8_max: float
     group_size: int
     alignment: int
@@ -485,6 +486,7 @@ def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
         "NQ_ALIGN": cfg.format.alignment,
         "NQ_LAYOUT_ID": cfg.format.layout_id,
         "NQ_FP8_LAYOUT_ID": cfg.format.fp8_layout_id,
+        "NQ_STREAM_LAYOUT_ID": cfg.format.stream_layout_id,
         "NQ_FP8_MAX": int(cfg.format.fp8_max),
         "NQ_PAGE_TOKENS": cfg.kv_cache.page_tokens,
         "NQ_KV_DTYPE_BYTES": cfg.kv_cache.dtype_bytes,

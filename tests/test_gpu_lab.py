@@ -205,3 +205,99 @@ def test_compute_sanitizer_flags_the_bug_and_passes_the_fix(tmp_path):
         assert rc == 0 and not flagged(out, rc) and "SUMMARY: 0" in out, f"fixed, {tool}:\n{out[-3000:]}"
     assert any(flagged(*results[("buggy", t)]) for t in ("racecheck", "synccheck")), \
         "neither racecheck nor synccheck flagged the buggy variant"
+
+
+# ---------------------------------------------------------------- layout 3: the streaming GEMV
+# kernels/lab/gemv_stream3.cu over format/stream_layout.py's layout, with run_gemv's checks:
+# fresh random inputs, NaN-poisoned output, every element against the float64 reference of the
+# layout-1 weights it was repacked from, the same bound (plus the FOLD allowance where folded).
+from nanoqwen_lib.format import stream_layout  # noqa: E402
+from nanoqwen_lib.format.layout import decode_gemv_shapes  # noqa: E402
+from nanoqwen_lib.config import load as load_config  # noqa: E402
+from .test_gpu_gemv import FOLD_ACC, fold_magnitude  # noqa: E402
+
+SHAPES_TINY = decode_gemv_shapes(load_config().model("tiny"))
+S3_EPILOGUE = {"qkv": dict(bias=True), "o_proj": dict(residual=True, in_place=True), "gate_up": {},
+               "down": dict(residual=True, launcher="swiglu")}
+S3_TUNINGS = [{}, {"NQ_S3_FOLD": 1}]
+
+
+def run_s3(rng, n, k, bias=False, residual=False, in_place=False, ksplit=None, tuning=None, launcher="plain"):
+    words, scales = rand_int4(rng, n, k)
+    w3 = dev(stream_layout.to_stream(words, scales))
+    b = rng.standard_normal(n).astype(np.float16) if bias else None
+    res = rng.standard_normal(n).astype(np.float16) if residual else None
+    out = dev(res) if in_place else poisoned(n)
+    res_d = out if in_place else (None if res is None else dev(res))
+    b_d = None if b is None else dev(b)
+    extra = 0.0
+    if launcher == "swiglu":
+        gu = (rng.standard_normal(2 * k) * 2).astype(np.float16)
+        g32, u32 = gu[:k].astype(np.float32), gu[k:].astype(np.float32)
+        a32 = g32 / (np.float32(1) + np.exp(-g32)) * u32
+        act = a32.astype(np.float16)
+        alt = np.maximum(np.abs((a32 * np.float32(1 - 2**-20)).astype(np.float16).astype(np.float64) - act),
+                         np.abs((a32 * np.float32(1 + 2**-20)).astype(np.float16).astype(np.float64) - act))
+        x64 = act.astype(np.float64)
+        s = lab_gemv.gemv_int4_s3_swiglu(dev(gu), w3, out, residual=res_d, bias=b_d, ksplit=ksplit, tuning=tuning)
+        extra = ref_matvec(words, scales, alt)[1] if alt.any() else 0.0
+    else:
+        x = rng.standard_normal(k).astype(np.float16)
+        x64 = x.astype(np.float64)
+        s = lab_gemv.gemv_int4_s3(dev(x), w3, out, bias=b_d, residual=res_d, ksplit=ksplit, tuning=tuning)
+    dot, absdot = ref_matvec(words, scales, x64)
+    if (tuning or {}).get("NQ_S3_FOLD"):
+        extra = extra + FOLD_ACC * fold_magnitude(scales, x64)
+    ref = dot + (0 if b is None else b.astype(np.float64))
+    ref = ref + (0 if res is None else res.astype(np.float64))
+    return check_close(f"s3 {launcher} N={n} K={k} ksplit={s} {tuning or ''} in_place={in_place}", out.get(), ref,
+                       absdot, 2.0 ** -18, extra)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tuning", S3_TUNINGS, ids=["exact", "fold"])
+@pytest.mark.parametrize("model,shape", [("7b", s) for s in SHAPES_7B] + [("tiny", s) for s in SHAPES_TINY])
+def test_s3_model_shapes(rng, model, shape, tuning):
+    """Every 7B and tiny decode GEMV with its engine epilogue: qkv + bias, o_proj + residual in
+    place, gate_up, down from the fused SwiGLU + residual (and down plain, + bias + residual)."""
+    n, k = (SHAPES_7B if model == "7b" else SHAPES_TINY)[shape]
+    run_s3(rng, n, k, tuning=tuning, **S3_EPILOGUE[shape])
+    if shape == "down":
+        run_s3(rng, n, k, bias=True, residual=True, tuning=tuning)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,k", ODD)
+@pytest.mark.parametrize("ksplit", [None, 1, "max"])
+def test_s3_odd(rng, n, k, ksplit):
+    s = k // 128 if ksplit == "max" else ksplit
+    run_s3(rng, n, k, bias=(n + k) % 2 == 0, residual=n % 2 == 1, ksplit=s)
+    run_s3(rng, n, k, bias=True, residual=True, ksplit=s, launcher="swiglu")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tuning", [{"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3},
+                                    {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3, "NQ_S3_FOLD": 1},
+                                    {"NQ_S3_RING": 2}, {"NQ_S3_RING": 8, "NQ_S3_MIN_CTAS": 2},
+                                    {"NQ_S3_RING": 8, "NQ_S3_MIN_CTAS": 2, "NQ_S3_FOLD": 1}, {"NQ_S3_MIN_CTAS": 6}])
+@pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, None), (130, 1152, 3), (1000, 18944, 1)])
+def test_s3_tuning_variants(rng, tuning, n, k, ksplit):
+    run_s3(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning=tuning)
+    run_s3(rng, n, k, residual=True, in_place=True, ksplit=ksplit, tuning=tuning, launcher="swiglu")
+
+
+@pytest.mark.timeout(120)
+def test_s3_refuses_bad_buffers():
+    from nanoqwen_lib.errors import NanoqwenError
+    x, out = cp.zeros(256, cp.float16), cp.zeros(20, cp.float16)
+    good = cp.zeros(stream_layout.stream_bytes(20, 256), cp.uint8)
+    with pytest.raises(NanoqwenError, match=r"w3.shape: expected \(4224,\)"):
+        lab_gemv.gemv_int4_s3(x, good[:4096], out)
+    with pytest.raises(NanoqwenError, match="w3.dtype"):
+        lab_gemv.gemv_int4_s3(x, good.view(cp.int8), out)
+    with pytest.raises(NanoqwenError, match="x.size"):
+        lab_gemv.gemv_int4_s3(cp.zeros(200, cp.float16), good, out)
+    with pytest.raises(NanoqwenError, match="ksplit"):
+        lab_gemv.gemv_int4_s3(x, good, out, ksplit=3)
+    with pytest.raises(NanoqwenError, match="out"):
+        lab_gemv.gemv_int4_s3(x, good, x)

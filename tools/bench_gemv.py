@@ -1,6 +1,10 @@
 """Time the decode GEMVs and small decode kernels on the 7B shapes (needs a GPU).
 
-    python tools/bench_gemv.py [--out bench.json] [--quick]
+    python tools/bench_gemv.py [--out bench.json] [--quick] [--s3]
+
+--s3: only the layout-3 streaming GEMV (kernels/lab/gemv_stream3.cu, `s3 ...` rows) next to
+the engine's tuned tiles GEMV, on the four 7B shapes (the weights repacked from the same
+layout-1 copies by format/stream_layout.py; the same bytes, so the same GB/s basis).
 
 Per shape and variant: median time (CUDA events, warm-up, many calls per event pair),
 GB/s over the bytes the kernel must read, and that as a fraction of the read ceiling
@@ -20,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
 from nanoqwen_lib import config  # noqa: E402
-from nanoqwen_lib.format import layout
+from nanoqwen_lib.format import layout, stream_layout
 from nanoqwen_lib.gpu import ops_decode, ops_gemv
 from nanoqwen_lib.gpu.lab import gemv as lab_gemv
 from nanoqwen_lib.measure import timing
@@ -166,6 +170,63 @@ def bench_shape(name, n, k, ceiling, l2, quick, bulk_only=False):
     del copies
 
 
+# layout 3 (impl "s3"): (label, tuning, ksplit or None for lab_gemv.plan_stream3's choice)
+S3_VARIANTS = (("s3", {}, None), ("s3 FOLD", {"NQ_S3_FOLD": 1}, None),
+               ("s3 C6", {"NQ_S3_MIN_CTAS": 6}, None), ("s3 C6 FOLD", {"NQ_S3_MIN_CTAS": 6, "NQ_S3_FOLD": 1}, None),
+               ("s3 R2", {"NQ_S3_RING": 2}, None), ("s3 R8 C2", {"NQ_S3_RING": 8, "NQ_S3_MIN_CTAS": 2}, None),
+               ("s3 W8 C3", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3}, None),
+               ("s3 W8 C3 FOLD", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3, "NQ_S3_FOLD": 1}, None))
+S3_KSPLITS = {"qkv": (1, 2, 4, 14), "o_proj": (1, 2, 4, 14), "gate_up": (2, 4), "down": (4, 6, 8, 14, 20)}
+
+
+def bench_s3(name, n, k, ceiling, l2, quick):
+    """The engine's tuned tiles GEMV, then the layout-3 variants, on the same weights."""
+    copies, wbytes = weight_copies(n, k, l2)
+    s3_copies = [(cp.asarray(stream_layout.to_stream(qw.get(), sc.get())), None) for qw, sc in copies]
+    assert s3_copies[0][0].size == wbytes, (s3_copies[0][0].size, wbytes)   # 7B shapes: no padding rows
+    epi = EPILOGUE[name]
+    x = (cp.random.standard_normal(k) * 0.5).astype(cp.float16)
+    gate_up = (cp.random.standard_normal(2 * k)).astype(cp.float16)
+    out = cp.zeros(n, cp.float16)
+    extra = cp.random.standard_normal(n).astype(cp.float16) if epi else None
+    kw = {epi: (out if epi == "residual" else extra)} if epi else {}
+    nbytes = wbytes + k * 2 + n * 2 + (n * 2 if epi else 0)
+    inner = len(copies) * max(1, 12 // len(copies))
+    t_args = dict(warmup=3, iters=15 if quick else 30, inner=inner, graph=True)
+
+    def run(variant, fn, cps, nb=nbytes, **info):
+        record(name, variant, timing.time_cuda(rotating(fn, cps), **t_args), nb, ceiling, **info)
+        r = ROWS[-1]                                   # as it goes: a run cut short keeps its rows
+        print(f"{name:8} {variant:38} {info.get('ksplit', ''):>3} {r['us']:8.2f} us {r['frac']:6.1%}", flush=True)
+
+    auto = ops_gemv.gemv_config("gemv_int4", n, k)[1]
+    run("tiles (engine, tuned)", lambda q, s: ops_gemv.gemv_int4(x, q, s, out, **kw), copies, ksplit=auto)
+    for label, tv, ks in S3_VARIANTS:
+        s_ = lab_gemv.plan_stream3(n, k, ops_gemv.num_sms(), ks)
+        run(label, lambda q, _, t=tv, s_=s_: lab_gemv.gemv_int4_s3(x, q, out, ksplit=s_, tuning=t, **kw), s3_copies,
+            ksplit=s_)
+    for s_ in S3_KSPLITS[name]:
+        run(f"s3 ks={s_}", lambda q, _, s_=s_: lab_gemv.gemv_int4_s3(x, q, out, ksplit=s_, **kw), s3_copies, ksplit=s_)
+        run(f"s3 FOLD ks={s_}", lambda q, _, s_=s_: lab_gemv.gemv_int4_s3(x, q, out, ksplit=s_,
+                                                                          tuning={"NQ_S3_FOLD": 1}, **kw),
+            s3_copies, ksplit=s_)
+    if name == "down":
+        nb = wbytes + 2 * k * 2 + n * 4
+        auto = ops_gemv.gemv_config("gemv_int4_swiglu", n, k)[1]
+        run("swiglu tiles (engine, tuned)", lambda q, s: ops_gemv.gemv_int4_swiglu(gate_up, q, s, out, residual=out),
+            copies, nb, ksplit=auto)
+        for label, tv, ks in S3_VARIANTS:
+            s_ = lab_gemv.plan_stream3(n, k, ops_gemv.num_sms(), ks)
+            run(f"swiglu {label}", lambda q, _, t=tv, s_=s_: lab_gemv.gemv_int4_s3_swiglu(
+                gate_up, q, out, residual=out, ksplit=s_, tuning=t), s3_copies, nb, ksplit=s_)
+        for s_ in S3_KSPLITS[name]:
+            for label, tv in (("swiglu s3", {}), ("swiglu s3 FOLD", {"NQ_S3_FOLD": 1}),
+                              ("swiglu s3 W8 C3 FOLD", {"NQ_S3_WARPS": 8, "NQ_S3_MIN_CTAS": 3, "NQ_S3_FOLD": 1})):
+                run(f"{label} ks={s_}", lambda q, _, t=tv, s_=s_: lab_gemv.gemv_int4_s3_swiglu(
+                    gate_up, q, out, residual=out, ksplit=s_, tuning=t), s3_copies, nb, ksplit=s_)
+    del copies, s3_copies
+
+
 def bench_layer_chain(ceiling, l2, quick, impl):
     """One layer's four GEMVs back to back (qkv+bias, o+residual, gate_up, SwiGLU down+residual),
     default variants, replayed from one graph over enough layer copies to defeat the L2."""
@@ -246,6 +307,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--bulk-only", action="store_true", help="gate_up and down: the default, bulk variants, copy roofline")
+    ap.add_argument("--s3", action="store_true", help="the layout-3 streaming GEMV (s3 rows) next to the engine's tiles")
     args = ap.parse_args()
     dev = cp.cuda.Device()
     l2 = dev.attributes["L2CacheSize"]
@@ -254,6 +316,17 @@ def main():
     print(f"device {cp.cuda.runtime.getDeviceProperties(dev.id)['name'].decode()}, {ops_gemv.num_sms()} SMs, "
           f"L2 {l2 >> 20} MiB; read ceiling {ceiling:.3f} TB/s ({ceil['bytes'] / 1e9:.1f} GB, "
           f"{ceil['median'] * 1e3:.0f} us)")
+    if args.s3:
+        for name in ("gate_up", "down", "qkv", "o_proj"):
+            bench_s3(name, *SHAPES[name], ceiling, l2, args.quick)
+        ceiling_again = timing.read_ceiling_tbps()
+        print_rows()
+        print(f"ceiling {ceiling:.3f} TB/s (again at the end: {ceiling_again:.3f})")
+        if args.out:
+            Path(args.out).write_text(json.dumps({"what": "tools/bench_gemv.py --s3 (graph replay, medians, weights "
+                                                  "rotating through 3x the L2)", "ceiling_tbps": ceiling,
+                                                  "ceiling_again_tbps": ceiling_again, "rows": ROWS}, indent=1))
+        return
     if args.bulk_only:
         for name in ("gate_up", "down"):
             bench_shape(name, *SHAPES[name], ceiling, l2, True, bulk_only=True)

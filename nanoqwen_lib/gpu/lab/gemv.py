@@ -5,7 +5,9 @@
 * "v1"     kernels/lab/gemv_v1.cu: tiles with one branch per group
 * "stream" kernels/lab/gemv_stream.cu: persistent stream-K (v3)
 * "bulk"   kernels/lab/gemv_bulk.cu: persistent, weights via a cp.async.bulk ring (v5)
-and the INT8-activation path (kernels/lab/gemv_dp4a.cu): quantize_act_int8, gemv_int4_dp4a.
+and the INT8-activation path (kernels/lab/gemv_dp4a.cu): quantize_act_int8, gemv_int4_dp4a;
+and the layout-3 streaming GEMV (kernels/lab/gemv_stream3.cu): gemv_int4_s3, gemv_int4_s3_swiglu,
+which take the weights as one uint8 buffer in layout 3 (nanoqwen_lib/format/stream_layout.py).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 from nanoqwen_lib.config import load
 from nanoqwen_lib.errors import LimitError, NanoqwenError
 from nanoqwen_lib.gpu import ops_gemv
+from nanoqwen_lib.format import stream_layout
 from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, device_ptr
 
 GROUP = ops_gemv.GROUP
@@ -193,3 +196,66 @@ def _launch_stream(fn, kernel_name, act_args, smem, qweight, scales, out, bias, 
          act_args + (qweight, scales, out, device_ptr(bias), device_ptr(residual), ws.partial, ws.counters,
                      np.int32(n), np.int32(k), np.int32(cmax)),
          shared_mem=smem)
+
+
+# ---- layout 3: the streaming GEMV ---------------------------------------------------------
+S3_TUNING = dict(load().tuning["lab/gemv_stream3"].defines)
+S3_TARGET_WARPS_PER_SM = 16     # split K until the grid has this many warps per SM ...
+S3_MIN_GROUPS_PER_WARP = 4      # ... but keep at least this many groups per warp's slice
+S3_MAX_SMEM = 48 * 1024         # one CTA's x slice (320 B per group)
+
+
+def plan_stream3(n: int, k: int, sms: int, ksplit: int | None = None) -> int:
+    """ksplit of a layout-3 launch: one warp per (16-row tile, K slice); K is split until the
+    grid holds S3_TARGET_WARPS_PER_SM warps per SM (bytes in flight scale with warps), while
+    each slice keeps S3_MIN_GROUPS_PER_WARP groups and fits shared memory."""
+    tiles, groups = -(-n // 16), k // GROUP
+    least = -(-groups * ops_gemv.ACT_BYTES_PER_GROUP // S3_MAX_SMEM)
+    if ksplit is None:
+        want = -(-S3_TARGET_WARPS_PER_SM * sms // tiles)
+        ksplit = max(least, min(want, max(1, groups // S3_MIN_GROUPS_PER_WARP)))
+    if not max(1, least) <= ksplit <= groups:
+        raise NanoqwenError("lab.gemv (stream3)", "ksplit", f"{max(1, least)}..{groups} (groups of K, "
+                            f"a slice's x within {S3_MAX_SMEM} B)", ksplit)
+    return ksplit
+
+
+def _launch_s3(fn, kernel_name, act, w3, out, bias, residual, n, k, ksplit, tuning):
+    _check(fn, "w3", w3, np.uint8, (stream_layout.stream_bytes(n, k),))
+    _check_out(fn, out, bias, residual, n)
+    t = {**ops_gemv.GEMV_TUNING, **S3_TUNING, **(tuning or {})}
+    s = plan_stream3(n, k, ops_gemv.num_sms(), ksplit)
+    warps = t["NQ_S3_WARPS"]
+    ctas = -(-(-(-n // 16)) // warps)
+    ws = ops_gemv.split_workspace(fn, s, n, ctas)
+    smem = -(-(k // GROUP) // s) * ops_gemv.ACT_BYTES_PER_GROUP
+    kern = ops_gemv.gemv_kernel(kernel_name, t, "lab/gemv_stream3")
+    kern((ctas, s), (32 * warps,),
+         (act, w3, out, device_ptr(bias), device_ptr(residual), ws.partial, ws.counters,
+          np.int32(n), np.int32(k), np.int32(s)), shared_mem=smem)
+    return s
+
+
+def gemv_int4_s3(x, w3, out, bias=None, residual=None, *, ksplit=None, tuning=None):
+    """out[N] = fp16([residual +] W.x [+ bias]) with W in layout 3 (w3 uint8
+    [stream_layout.stream_bytes(N, K)]); N = out.size, K = x.size. residual may be `out`.
+    Returns the ksplit it ran."""
+    k, n = getattr(x, "size", 0), getattr(out, "size", 0)
+    if k < GROUP or k % GROUP:
+        raise NanoqwenError("lab.gemv.gemv_int4_s3", "x.size", f"a positive multiple of {GROUP}", k)
+    _check("gemv_int4_s3", "x", x, np.float16, (k,))
+    check_no_alias("lab.gemv.gemv_int4_s3", "out", out, x, "x")
+    return _launch_s3("gemv_int4_s3", "nq_gemv_s3", x, w3, out, bias, residual, n, k, ksplit, tuning)
+
+
+def gemv_int4_s3_swiglu(gate_up, w3, out, residual=None, *, bias=None, ksplit=None, tuning=None):
+    """out[N] = fp16([residual +] W.act [+ bias]), act = fp16(silu(g) * u) from gate_up fp16
+    [2K] (gate then up), W in layout 3; N = out.size, K = gate_up.size / 2."""
+    k, n = getattr(gate_up, "size", 0) // 2, getattr(out, "size", 0)
+    if k < GROUP or k % GROUP:
+        raise NanoqwenError("lab.gemv.gemv_int4_s3_swiglu", "gate_up.size", f"2 x a positive multiple of {GROUP}",
+                            2 * k)
+    _check("gemv_int4_s3_swiglu", "gate_up", gate_up, np.float16, (2 * k,))
+    check_no_alias("lab.gemv.gemv_int4_s3_swiglu", "out", out, gate_up, "gate_up")
+    return _launch_s3("gemv_int4_s3_swiglu", "nq_gemv_s3_swiglu", gate_up, w3, out, bias, residual, n, k, ksplit,
+                      tuning)
