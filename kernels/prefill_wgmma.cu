@@ -263,6 +263,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
   int prev = -1;
   for (int kk = 0; kk < nkt; ++kk) {
     hopper::mbar_wait(&full[ring.stage], ring.phase);
+    hopper::fence_proxy_async_smem();   // the producer's cp.async writes (generic proxy) before the wgmma reads
     const uint32_t a = base + ring.stage * STAGE_BYTES + wg * (64 * ROW);
     const uint32_t b = base + ring.stage * STAGE_BYTES + A_BYTES;
     if constexpr (MODE == kFp8) {
