@@ -251,6 +251,7 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       }
     }
   }
+  hopper::cp_async_wait<0>();   // no copy of this thread outlives it
 }
 
 // ---- consumers -----------------------------------------------------------------------------

@@ -59,7 +59,7 @@ WGMMA_BN = _PWT["NQ_PW_BN"]
 WGMMA_BN_CHOICES = (112, 128, 144, 256)   # the builds (the file's nq-variants line + the default)
 WGMMA_FILL_KTILES = 4                # prologue + epilogue of a CTA in k-tile times (plan_wgmma's wave model)
 GEMM_KERNELS = ("wgmma", "mma")
-DEFAULT_GEMM_KERNEL = "wgmma"        # gemm_int4's kernel when none is named
+DEFAULT_GEMM_KERNEL = "mma"          # gemm_int4's kernel when none is named: "wgmma" once its GPU tests pass
 _PA = load().geometry["prefill_attention"]
 ATTN_BQ, ATTN_THREADS, ROPE_THREADS = _PA["NQ_PA_BQ"], 32 * _PA["NQ_PA_WARPS"], _PA["NQ_PA_ROPE_THREADS"]
 
