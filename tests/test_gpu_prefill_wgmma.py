@@ -159,12 +159,15 @@ def test_wgmma_launch_checks(rng):
     with pytest.raises(NanoqwenError, match="qweight.shape"):
         ops_prefill.gemm_int4(x, words, scales, out, kernel="wgmma")
     words, scales = rand_int4(rng, 128, 256)
+    out = cp.empty((4, 128), cp.float16)
     with pytest.raises(NanoqwenError, match="bn"):
-        ops_prefill.gemm_int4(x, words, scales, out[:, :128], kernel="wgmma", bn=96)
+        ops_prefill.gemm_int4(x, words, scales, out, kernel="wgmma", bn=96)
     with pytest.raises(NanoqwenError, match="bm"):
-        ops_prefill.gemm_int4(x, words, scales, out[:, :128], kernel="wgmma", bm=64)
+        ops_prefill.gemm_int4(x, words, scales, out, kernel="wgmma", bm=64)
     with pytest.raises(NanoqwenError, match="kernel"):
-        ops_prefill.gemm_int4(x, words, scales, out[:, :128], kernel="cutlass")
+        ops_prefill.gemm_int4(x, words, scales, out, kernel="cutlass")
+    with pytest.raises(NanoqwenError, match="act"):
+        ops_prefill.gemm_int4_gate_up_swiglu(x, words, scales, cp.empty((4, 128), cp.float16))   # act is [T, I = 64]
 
 
 # ---- FP8 -------------------------------------------------------------------------------------

@@ -1,4 +1,11 @@
-"""Launchers for the prefill kernels (kernels/prefill_gemm.cu, kernels/prefill_attention.cu).
+"""Launchers for the prefill kernels (kernels/prefill_gemm.cu, kernels/prefill_wgmma.cu,
+kernels/prefill_attention.cu).
+
+GEMM kernels: gemm_int4(..., kernel="wgmma" | "mma"): prefill_wgmma.cu (sm_90a, warp-specialized
+wgmma, plan_wgmma picks BN and split-K) or prefill_gemm.cu (mma.sync, plan_gemm); None takes
+DEFAULT_GEMM_KERNEL ("mma" wherever an mma-only option is given or N % 8 != 0).
+gemm_int4_gate_up_swiglu(x, gate_up.qweight, gate_up.scales, act) (wgmma only) writes act [T, I]
+= fp16(silu(g) * u) straight from the gate_up GEMM: the bits of gemm_int4 + swiglu_act.
 
 Per layer, for a prompt of T tokens at positions start_pos .. start_pos+T-1 (the engine calls):
     gemm_int4(x, qkv.qweight, qkv.scales, qkv_out, bias=qkv.bias)         qkv [T, qkv_dim]
