@@ -112,6 +112,32 @@ def test_sass_of_the_hot_loops():
     assert any(k.startswith("F2FP.F16.E4M3.UNPACK") for k in fp8), fp8.most_common(5)
 
 
+@pytest.mark.parametrize("bn", [112, 128, 144, 256])
+def test_sass_of_the_wgmma_prefill(bn):
+    """kernels/prefill_wgmma.cu (sm_90a) reaches Hopper's warpgroup MMA: the INT4 and SwiGLU
+    kernels' consumer loops issue HGMMA (f16, N = bn) and the FP8 one QGMMA (E4M3), with no
+    HMMA (mma.sync) anywhere; the producer / consumer register split (setmaxnreg) survives;
+    no local memory in the INT4 kernels."""
+    import collections
+    import re
+    if cuda_build.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (the cuda13 extra brings it)")
+    assert cuda_build.kernel_arch("prefill_wgmma") == "sm_90a"
+    text = cuda_build.sass("prefill_wgmma", None, {"NQ_PW_BN": bn})
+    for kernel, op in (("nq_prefill_wgmma", f"HGMMA.64x{bn}x16.F32"), ("nq_prefill_wgmma_swiglu", f"HGMMA.64x{bn}x16.F32"),
+                       ("nq_prefill_wgmma_fp8", f"QGMMA.64x{bn}x32.F32.E4M3.E4M3")):
+        loops = cuda_build.sass_loops(text, kernel)
+        hot = [collections.Counter(loop) for loop in loops if any(o.startswith(op) for o in loop)]
+        assert hot, f"{kernel}: no loop issues {op}"
+        assert sum(c[o] for c in hot for o in c if o.startswith(op)) >= 4, f"{kernel}: 4 wgmmas per stage"
+        start = text.index(f".text.{kernel}:")
+        body = text[start:text.find("//----", start)]
+        assert not re.search(r"\bHMMA\.", body), f"{kernel}: mma.sync (HMMA) in the SASS"
+        assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{kernel}: setmaxnreg dropped"
+        if kernel != "nq_prefill_wgmma_fp8" or bn <= 128:
+            assert not re.search(r"\b(LDL|STL)\b", body), f"{kernel} bn={bn}: local memory"
+
+
 def test_lab_files_say_what_they_are():
     """Every lab kernel file opens with a line naming itself and saying what it is, and the
     engines' directory holds no lab variant knob."""

@@ -176,6 +176,87 @@ def bench_fp8_gemms(dims, t, rng, warmup, reps):
     return rows
 
 
+def bench_wgmma(dims, t, rng, warmup, reps, sweep=True):
+    """The four GEMMs of a layer (issue 17): wgmma (the plan, and with --sweep every BN build
+    at split 1 and split-K 2..4) vs mma.sync (its plan) vs torch fp16 matmul (cuBLAS, dense
+    fp16 weights) in the same process; gate_up also fused with the SwiGLU (act [T, I] out);
+    FP8 (E4M3 both operands) wgmma vs mma. -> (rows, summary)."""
+    import cupy as cp
+    from nanoqwen_lib.gpu import ops_fp8
+    rows, summary = [], {}
+    for proj, (n, k) in layout.decode_gemv_shapes(dims).items():
+        words, scales = rand_int4(rng, n, k)
+        x = rand16(rng, (t, k))
+        out = rand16(rng, (t, n))
+        bias = rand16(rng, (n,)) if proj == "qkv" else None
+        res = out if proj in ("o_proj", "down") else None
+        flops = 2.0 * t * n * k
+
+        def add(name, us, **kw):
+            rows.append({"op": f"{proj} {name}", "us": us, "tflops": flops / us / 1e6, **kw})
+            return us
+        bn, split = ops_prefill.plan_wgmma(t, n, k)
+        cands = {f"wgmma plan bn{bn} s{split}": add(f"wgmma plan bn{bn} s{split}", median_us(
+            lambda: ops_prefill.gemm_int4(x, words, scales, out, bias=bias, residual=res, kernel="wgmma"), warmup, reps))}
+        if sweep:
+            for b in ops_prefill.WGMMA_BN_CHOICES:
+                for sp in (1, 2, 3, 4) if n <= 8192 else (1,):
+                    if (b, sp) == (bn, split):
+                        continue
+                    name = f"wgmma bn{b} s{sp}"
+                    try:
+                        cands[name] = add(name, median_us(lambda: ops_prefill.gemm_int4(
+                            x, words, scales, out, bias=bias, residual=res, kernel="wgmma", bn=b, split=sp),
+                            warmup, reps))
+                    except Exception as e:       # a split the workspace refuses
+                        print(f"{proj} {name}: {e}")
+        mma = add("mma.sync plan", median_us(lambda: ops_prefill.gemm_int4(x, words, scales, out, bias=bias,
+                                                                          residual=res, kernel="mma"), warmup, reps))
+        peer = torch_peer(t, n, k, warmup, reps)
+        if peer:
+            add("torch fp16 (cuBLAS)", peer)
+        best = min(cands, key=cands.get)
+        summary[proj] = {"wgmma_best": best, "wgmma_best_us": cands[best], "wgmma_plan_us": next(iter(cands.values())),
+                         "mma_us": mma, "torch_us": peer, "flops": flops}
+        if proj == "gate_up":
+            act, gu = cp.empty((t, n // 2), cp.float16), cp.empty((t, n), cp.float16)
+            fused = add("wgmma fused swiglu (plan)", median_us(
+                lambda: ops_prefill.gemm_int4_gate_up_swiglu(x, words, scales, act), warmup, reps))
+            us_act = median_us(lambda: ops_prefill.swiglu_act(gu, act), warmup, reps)
+            summary[proj].update(fused_us=fused, swiglu_act_us=us_act)
+        # FP8: E4M3 codes over every finite value, both signs
+        codes = cp.asarray(rng.integers(0, 0x7F, size=(n, k), dtype=np.uint8) | (rng.integers(0, 2, size=(n, k),
+                           dtype=np.uint8) << 7))
+        s8 = cp.asarray(rng.uniform(1e-4, 1e-3, n).astype(np.float32))
+        xq, ts = cp.empty((t, k), cp.uint8), cp.empty(t, cp.float32)
+        ops_fp8.quantize_rows_fp8(x, xq, ts)
+        f8w = add("fp8 wgmma plan", median_us(lambda: ops_fp8.gemm_fp8(xq, ts, codes, s8, out, bias=bias, residual=res,
+                                                                      kernel="wgmma"), warmup, reps))
+        f8m = add("fp8 mma.sync", median_us(lambda: ops_fp8.gemm_fp8(xq, ts, codes, s8, out, bias=bias, residual=res),
+                                            warmup, reps))
+        summary[proj].update(fp8_wgmma_us=f8w, fp8_mma_us=f8m)
+    return rows, summary
+
+
+def print_wgmma(dims, t, rows, summary):
+    print(f"\nprefill GEMMs, 7B, T={t}: wgmma vs mma.sync vs cuBLAS (median us, TFLOP/s)")
+    for r in rows:
+        print(f"  {r['op']:36s} {r['us']:9.1f} {r['tflops']:7.1f}")
+    tot = {key: sum(v[key] for v in summary.values() if v.get(key)) for key in
+           ("wgmma_best_us", "wgmma_plan_us", "mma_us", "torch_us", "fp8_wgmma_us", "fp8_mma_us")}
+    flops = sum(v["flops"] for v in summary.values())
+    print(f"{'shape':8s} {'wgmma plan':>12s} {'wgmma best':>12s} {'mma.sync':>10s} {'cuBLAS':>10s} "
+          f"{'fp8 wgmma':>10s} {'fp8 mma':>10s}  (TFLOP/s)")
+    for proj, v in list(summary.items()) + [("layer", dict(tot, flops=flops))]:
+        rate = {key: (v["flops"] / v[key] / 1e6 if v.get(key) else float("nan")) for key in tot}
+        print(f"{proj:8s} {rate['wgmma_plan_us']:12.1f} {rate['wgmma_best_us']:12.1f} {rate['mma_us']:10.1f} "
+              f"{rate['torch_us']:10.1f} {rate['fp8_wgmma_us']:10.1f} {rate['fp8_mma_us']:10.1f}")
+    print(f"per layer (us): " + ", ".join(f"{key} {val:.1f}" for key, val in tot.items()) +
+          f"; x{dims.num_layers} layers wgmma plan {tot['wgmma_plan_us'] * dims.num_layers / 1e3:.2f} ms, "
+          f"cuBLAS {tot['torch_us'] * dims.num_layers / 1e3:.2f} ms")
+    return tot
+
+
 def bench_attention(dims, t, rng, warmup, reps):
     import cupy as cp
     pages = kvcache.pages_for(t)
@@ -206,11 +287,20 @@ def main(argv=None):
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--only", default=None, help="one GEMM (qkv, o_proj, gate_up, down), no attention: for ncu")
     ap.add_argument("--fp8", action="store_true", help="only the FP8 GEMMs, mma_sync against wgmma (PEAK is FP16's)")
+    ap.add_argument("--wgmma", action="store_true", help="the four GEMMs: wgmma vs mma.sync vs cuBLAS, INT4 and FP8")
+    ap.add_argument("--no-sweep", action="store_true", help="with --wgmma: the plans only, no BN / split sweep")
     args = ap.parse_args(argv)
     import cupy as cp
     dims = config.load().model("7b")
     rng = np.random.default_rng(0)
     t = args.tokens
+    if args.wgmma:
+        rows, summary = bench_wgmma(dims, t, rng, args.warmup, args.reps, sweep=not args.no_sweep)
+        tot = print_wgmma(dims, t, rows, summary)
+        if args.json:
+            args.json.write_text(json.dumps({"tokens": t, "rows": rows, "summary": summary, "layer_us": tot,
+                                             "warmup": args.warmup, "reps": args.reps}, indent=1))
+        return
     if args.fp8:
         rows = bench_fp8_gemms(dims, t, rng, args.warmup, args.reps)
         print(f"FP8 prefill GEMMs, 7B, T={t}, median of {args.reps} (CUDA events); %peak against the dense FP16 "

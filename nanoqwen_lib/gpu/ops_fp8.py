@@ -102,10 +102,40 @@ def check_gemm(fn: str, xq, ts, codes, scales, out, bias, residual, k_multiple: 
     return t, n, k
 
 
-def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None) -> None:
+GEMM_KERNELS = ("mma", "wgmma")
+WGMMA_FP8_BN_CHOICES = (112, 128)   # builds of prefill_wgmma.cu whose FP8 consumer fits its registers
+
+
+def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, *, kernel="mma", bn=None, split=None,
+             stages=None) -> None:
     """out fp16 [T, N] = fp16(ts[t] scales[n] (xq codes^T)[t, n] [+ bias] [+ residual]) with
     E4M3 operands and FP32 accumulation; xq uint8 [T, K], ts fp32 [T] (quantize_rows_fp8);
-    residual may be `out` (in place); K a multiple of GEMM_BK."""
+    residual may be `out` (in place). kernel "mma": fp8.cu (K a multiple of GEMM_BK);
+    "wgmma": prefill_wgmma.cu's nq_prefill_wgmma_fp8 (QGMMA, sums promoted into FP32 every 128 k;
+    K a multiple of 128, N of 8); bn / split / stages override ops_prefill.plan_wgmma."""
+    if kernel not in GEMM_KERNELS:
+        raise NanoqwenError("ops_fp8.gemm_fp8", "kernel", f"one of {GEMM_KERNELS}", kernel)
+    if kernel == "wgmma":
+        from nanoqwen_lib.gpu import ops_prefill as op
+        where = "ops_fp8.gemm_fp8"
+        t, n, k = check_gemm("gemm_fp8", xq, ts, codes, scales, out, bias, residual, op.WGMMA_ROW_BYTES)
+        if n % 8:
+            raise NanoqwenError(where, "codes.shape[0]", "N a multiple of 8 (kernel='wgmma')", n)
+        if bn is None or split is None:
+            pbn, psplit = op.plan_wgmma(t, n, k, stage_k=op.WGMMA_ROW_BYTES, bns=WGMMA_FP8_BN_CHOICES)
+            bn, split = bn or pbn, split or psplit
+        if bn not in WGMMA_FP8_BN_CHOICES:
+            raise NanoqwenError(where, "bn", f"one of {WGMMA_FP8_BN_CHOICES}", bn)
+        bn, split, stages, grid = op._wgmma_grid(where, t, n, k, bn, split, stages, op.WGMMA_ROW_BYTES, n)
+        ws, counters = op.workspace() if split > 1 else (None, None)
+        op._wgmma_kernel("nq_prefill_wgmma_fp8", bn, stages)(
+            grid, (op.WGMMA_THREADS,),
+            (xq, ts, codes, scales, device_ptr(bias), device_ptr(residual), out, np.int32(t), np.int32(n),
+             np.int32(k), device_ptr(ws), device_ptr(counters)),
+            shared_mem=op.wgmma_smem_bytes(bn, stages))
+        return
+    if bn is not None or split is not None or stages is not None:
+        raise NanoqwenError("ops_fp8.gemm_fp8", "bn/split/stages", "None with kernel='mma'", (bn, split, stages))
     t, n, k = check_gemm("gemm_fp8", xq, ts, codes, scales, out, bias, residual, GEMM_BK)
     args = (xq, ts, codes, scales, device_ptr(bias), device_ptr(residual), out, np.int32(t), np.int32(n), np.int32(k))
     _kernel("nq_gemm_fp8")((-(-t // GEMM_BM), -(-n // GEMM_BN)), (GEMM_THREADS,), args)

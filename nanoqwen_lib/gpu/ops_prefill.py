@@ -1,4 +1,11 @@
-"""Launchers for the prefill kernels (kernels/prefill_gemm.cu, kernels/prefill_attention.cu).
+"""Launchers for the prefill kernels (kernels/prefill_gemm.cu, kernels/prefill_wgmma.cu,
+kernels/prefill_attention.cu).
+
+GEMM kernels: gemm_int4(..., kernel="wgmma" | "mma"): prefill_wgmma.cu (sm_90a, warp-specialized
+wgmma, plan_wgmma picks BN and split-K) or prefill_gemm.cu (mma.sync, plan_gemm); None takes
+DEFAULT_GEMM_KERNEL ("mma" wherever an mma-only option is given or N % 8 != 0).
+gemm_int4_gate_up_swiglu(x, gate_up.qweight, gate_up.scales, act) (wgmma only) writes act [T, I]
+= fp16(silu(g) * u) straight from the gate_up GEMM: the bits of gemm_int4 + swiglu_act.
 
 Per layer, for a prompt of T tokens at positions start_pos .. start_pos+T-1 (the engine calls):
     gemm_int4(x, qkv.qweight, qkv.scales, qkv_out, bias=qkv.bias)         qkv [T, qkv_dim]
@@ -48,6 +55,18 @@ SPLIT_MIN_KTILES = 4             # ... each with at least this many k-tiles of 6
 SPLIT_FILL_KTILES = 3            # pipeline fill + epilogue of a CTA, in k-tile times (the wave model)
 WS_FLOATS = 1 << 24              # split-K workspace: fp32 partial tiles (64 MiB), allocated once
 WS_COUNTERS = 1 << 16            # one counter per output tile
+# The wgmma GEMM (kernels/prefill_wgmma.cu, sm_90a): nanoqwen.yaml `geometry: prefill_wgmma` and
+# `tuning: prefill_wgmma`; NQ_PW_BN is a build variant, plan_wgmma picks one of WGMMA_BN_CHOICES.
+_PW = load().geometry["prefill_wgmma"]
+_PWT = load().tuning["prefill_wgmma"].defines
+WGMMA_BM, WGMMA_ROW_BYTES, WGMMA_THREADS = _PW["NQ_PW_BM"], _PW["NQ_PW_ROW_BYTES"], _PW["NQ_PW_THREADS"]
+WGMMA_BK = WGMMA_ROW_BYTES // 2      # k per stage (fp16 operands)
+WGMMA_STAGES = _PWT["NQ_PW_STAGES"]
+WGMMA_BN = _PWT["NQ_PW_BN"]
+WGMMA_BN_CHOICES = (112, 128, 144, 256)   # the builds (the file's nq-variants line + the default)
+WGMMA_FILL_KTILES = 4                # prologue + epilogue of a CTA in k-tile times (plan_wgmma's wave model)
+GEMM_KERNELS = ("wgmma", "mma")
+DEFAULT_GEMM_KERNEL = "mma"          # gemm_int4's kernel when none is named: "wgmma" once its GPU tests pass
 _PA = load().geometry["prefill_attention"]
 ATTN_BQ, ATTN_THREADS, ROPE_THREADS = _PA["NQ_PA_BQ"], 32 * _PA["NQ_PA_WARPS"], _PA["NQ_PA_ROPE_THREADS"]
 
@@ -162,26 +181,157 @@ def _launch_gemm(fn: str, kernel: str, act, qweight, scales, out, bias, residual
         shared_mem=gemm_smem_bytes(bm, kernel.endswith("swiglu"), stages))
 
 
-def gemm_int4(x, qweight, scales, out, bias=None, residual=None, *, bm=None, split=None, warps_m=None,
-              stages=GEMM_STAGES) -> None:
+def gemm_int4(x, qweight, scales, out, bias=None, residual=None, *, kernel=None, bm=None, split=None,
+              warps_m=None, stages=None, bn=None) -> None:
     """out[T, N] = fp16(x W^T [+ bias] [+ residual]), FP32 accumulation. x fp16 [T, K];
     qweight uint32 [N, K/8]; scales fp16 [N, K/128]; residual may be `out` (in place), x may not.
-    bm / split / warps_m override plan_gemm and GEMM_WARPS_M (tests, benchmark)."""
+    kernel: "wgmma" (kernels/prefill_wgmma.cu, N a multiple of 8) or "mma" (prefill_gemm.cu's
+    mma.sync); None = DEFAULT_GEMM_KERNEL. bm / warps_m (mma), bn (wgmma), split, stages override
+    the plans (plan_gemm, plan_wgmma; tests, benchmark)."""
     n, k = _weights("gemm_int4", qweight, scales)
     t = _tokens("gemm_int4", "x", x)
     _check("gemm_int4", "x", x, np.float16, (t, k))
     _no_alias("gemm_int4", "out", out, x, "x")
+    kernel = _kernel_choice("gemm_int4", kernel, n, bm=bm, warps_m=warps_m, bn=bn)
+    if kernel == "wgmma":
+        _launch_wgmma("gemm_int4", "nq_prefill_wgmma", x, qweight, scales, out, bias, residual, t, n, k, bn, split,
+                      stages)
+        return
     _launch_gemm("gemm_int4", "nq_prefill_gemm", x, qweight, scales, out, bias, residual, t, n, k, k,
-                 bm, split, warps_m, stages)
+                 bm, split, warps_m, stages or GEMM_STAGES)
+
+
+def _kernel_choice(fn: str, kernel, n: int, *, bm=None, warps_m=None, bn=None) -> str:
+    """The GEMM kernel: `kernel` when named; else "mma" where only it applies (an mma option
+    given, or N not a multiple of 8), else DEFAULT_GEMM_KERNEL."""
+    if kernel is None:
+        kernel = "mma" if (bm is not None or warps_m is not None or n % 8) else DEFAULT_GEMM_KERNEL
+    where = f"ops_prefill.{fn}"
+    if kernel not in GEMM_KERNELS:
+        raise NanoqwenError(where, "kernel", f"one of {GEMM_KERNELS}", kernel)
+    if kernel == "wgmma" and (bm is not None or warps_m is not None):
+        raise NanoqwenError(where, "bm" if bm is not None else "warps_m", "None with kernel='wgmma' (an mma option)",
+                            bm if bm is not None else warps_m)
+    if kernel == "mma" and bn is not None:
+        raise NanoqwenError(where, "bn", "None with kernel='mma' (a wgmma option)", bn)
+    return kernel
+
+
+# ---- the wgmma GEMM -----------------------------------------------------------------------
+def wgmma_smem_bytes(bn: int, stages: int = WGMMA_STAGES) -> int:
+    """Dynamic shared memory of nq_prefill_wgmma*: per stage an A tile (WGMMA_BM rows) and a B
+    tile (bn rows) of WGMMA_ROW_BYTES each, 1024 bytes of alignment slack, the 2 * stages barriers."""
+    return stages * (WGMMA_BM + bn) * WGMMA_ROW_BYTES + 1024 + 2 * stages * 8
+
+
+def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_CHOICES) -> tuple[int, int]:
+    """(bn, split) for a [t, k] x [n, k]^T GEMM on the wgmma kernel (n: output features; for
+    the fused gate_up SwiGLU the 2 I weight rows). Wave model: a CTA's k-tile costs time in
+    proportion to bn (the tensor cores are the bottleneck); rounds of ceil(ctas / SMs) waves
+    times (k-tiles per slice + WGMMA_FILL_KTILES); split-K only where a slice keeps
+    SPLIT_MIN_KTILES k-tiles and the partials fit the workspace. Ties go to the larger bn
+    (fewer re-reads of X), then to no split."""
+    sms, ktiles = num_sms(), k // stage_k
+    best = None
+    for bn in bns:
+        tiles = -(-t // WGMMA_BM) * -(-n // bn)
+        for s in range(1, SPLIT_MAX + 1):
+            if s > 1 and (ktiles // s < SPLIT_MIN_KTILES or s * tiles * WGMMA_BM * bn > WS_FLOATS
+                          or tiles > WS_COUNTERS):
+                continue
+            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES) * bn
+            key = (cost, -bn, s)
+            if best is None or key < best[0]:
+                best = (key, bn, s)
+    return best[1], best[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_kernel(name: str, bn: int, stages: int):
+    extra = {"NQ_PW_BN": bn, "NQ_PW_STAGES": stages}
+    kern = cuda_build.load_module("prefill_wgmma", None, extra).get_function(name)
+    kern.max_dynamic_shared_size_bytes = wgmma_smem_bytes(bn, stages)
+    return kern
+
+
+def _wgmma_grid(where: str, t: int, n_tiles_of: int, k: int, bn, split, stages, stage_k: int, plan_n: int):
+    """Checks the wgmma options; returns (bn, split, stages, grid)."""
+    if bn is None or split is None:
+        pbn, psplit = plan_wgmma(t, plan_n, k, stage_k=stage_k)
+        bn, split = bn or pbn, split or psplit
+    stages = stages or WGMMA_STAGES
+    if bn not in WGMMA_BN_CHOICES:
+        raise NanoqwenError(where, "bn", f"one of {WGMMA_BN_CHOICES}", bn)
+    if not 2 <= stages <= 8:
+        raise NanoqwenError(where, "stages", "2 .. 8", stages)
+    if not 1 <= split <= k // stage_k:
+        raise NanoqwenError(where, "split", f"1 .. {k // stage_k} (k-tiles of {stage_k})", split)
+    tiles = -(-t // WGMMA_BM) * -(-n_tiles_of // bn)
+    if split > 1 and (split * tiles * WGMMA_BM * bn > WS_FLOATS or tiles > WS_COUNTERS):
+        raise LimitError(where, "split-K workspace", f"split * tiles * {WGMMA_BM * bn} <= {WS_FLOATS} and "
+                         f"tiles <= {WS_COUNTERS}", f"split {split}, tiles {tiles}", "a smaller split")
+    return bn, split, stages, (-(-t // WGMMA_BM), -(-n_tiles_of // bn), split)
+
+
+def _launch_wgmma(fn: str, kernel: str, x, qweight, scales, out, bias, residual, t: int, n: int, k: int,
+                  bn, split, stages) -> None:
+    where = f"ops_prefill.{fn}"
+    if n % 8:
+        raise NanoqwenError(where, "qweight.shape[0]", "N a multiple of 8 (kernel='wgmma'; 'mma' takes any N)", n)
+    _check(fn, "out", out, np.float16, (t, n))
+    if bias is not None:
+        _check(fn, "bias", bias, np.float16, (n,))
+    if residual is not None:
+        _check(fn, "residual", residual, np.float16, (t, n))      # may be `out` itself (in place)
+    if t * k >= 2**31 or n * k // 8 >= 2**31 or t * n >= 2**31:
+        raise LimitError(where, "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
+    bn, split, stages, grid = _wgmma_grid(where, t, n, k, bn, split, stages, WGMMA_BK, n)
+    ws, counters = workspace() if split > 1 else (None, None)
+    _wgmma_kernel(kernel, bn, stages)(
+        grid, (WGMMA_THREADS,),
+        (x, qweight, scales, _ptr(bias), _ptr(residual), out, np.int32(t), np.int32(n), np.int32(k),
+         _ptr(ws), _ptr(counters)),
+        shared_mem=wgmma_smem_bytes(bn, stages))
+
+
+def gemm_int4_gate_up_swiglu(x, qweight, scales, act, *, bn=None, split=None, stages=None) -> None:
+    """act[T, I] = fp16(silu(g) * u) with [g | u] = fp16(x W^T), W the gate_up weight [2I, K]
+    (gate rows, then up rows): the gate_up GEMM and swiglu_act in one wgmma kernel, the same bits
+    as gemm_int4 into gate_up [T, 2I] then swiglu_act. x fp16 [T, K]; I a multiple of 8."""
+    fn, where = "gemm_int4_gate_up_swiglu", "ops_prefill.gemm_int4_gate_up_swiglu"
+    n2, k = _weights(fn, qweight, scales)
+    t = _tokens(fn, "x", x)
+    _check(fn, "x", x, np.float16, (t, k))
+    if n2 % 16:
+        raise NanoqwenError(where, "qweight.shape[0]", "2 I with I a multiple of 8", n2)
+    inter = n2 // 2
+    _check(fn, "act", act, np.float16, (t, inter))
+    _no_alias(fn, "act", act, x, "x")
+    if t * k >= 2**31 or n2 * k // 8 >= 2**31:
+        raise LimitError(where, "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n2}, K={k}")
+    # The CTA's bn weight rows are bn/2 features: plan and grid over the features.
+    if bn is None or split is None:
+        pbn, psplit = plan_wgmma(t, n2, k)
+        bn, split = bn or pbn, split or psplit
+    bn, split, stages, grid = _wgmma_grid(where, t, inter * 2, k, bn, split, stages, WGMMA_BK, n2)
+    grid = (grid[0], -(-inter // (bn // 2)), split)
+    if split > 1 and (split * grid[0] * grid[1] * WGMMA_BM * bn > WS_FLOATS or grid[0] * grid[1] > WS_COUNTERS):
+        raise LimitError(where, "split-K workspace", "fits", f"split {split}", "a smaller split")
+    ws, counters = workspace() if split > 1 else (None, None)
+    _wgmma_kernel("nq_prefill_wgmma_swiglu", bn, stages)(
+        grid, (WGMMA_THREADS,),
+        (x, qweight, scales, act, np.int32(t), np.int32(n2), np.int32(k), _ptr(ws), _ptr(counters)),
+        shared_mem=wgmma_smem_bytes(bn, stages))
 
 
 def gemm_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None, act=None, bm=None, split=None,
-                     warps_m=None, stages=GEMM_STAGES) -> None:
+                     warps_m=None, stages=None, kernel=None, bn=None) -> None:
     """out[T, N] = fp16(act W^T [+ residual]), act = fp16(silu(g) * u) of gate_up fp16 [T, 2K]
     (gate columns, then up columns), K = qweight.shape[1] * 8. Without `act` the kernel forms
     act tile by tile (nothing in memory); with an `act` buffer fp16 [T, K] it runs swiglu_act
     into it and then gemm_int4: the same bits, and faster at T = 512 (PERFLOG.md, prefill:
-    the fused kernel recomputes act once per 128 output columns)."""
+    the fused kernel recomputes act once per 128 output columns). The act-in-tile form exists
+    only for kernel='mma' (the default without `act`); with `act`, `kernel` picks gemm_int4's."""
     n, k = _weights("gemm_int4_swiglu", qweight, scales)
     t = _tokens("gemm_int4_swiglu", "gate_up", gate_up)
     _check("gemm_int4_swiglu", "gate_up", gate_up, np.float16, (t, 2 * k))
@@ -189,8 +339,12 @@ def gemm_int4_swiglu(gate_up, qweight, scales, out, residual=None, *, bias=None,
     if act is not None:
         swiglu_act(gate_up, act)
         gemm_int4(act, qweight, scales, out, bias=bias, residual=residual, bm=bm, split=split, warps_m=warps_m,
-                  stages=stages)
+                  stages=stages, kernel=kernel, bn=bn)
         return
+    if kernel not in (None, "mma") or bn is not None:
+        raise NanoqwenError("ops_prefill.gemm_int4_swiglu", "kernel", "'mma' (act formed per tile) unless `act` is "
+                            "given", kernel if bn is None else f"bn={bn}")
+    stages = stages or GEMM_STAGES
     _launch_gemm("gemm_int4_swiglu", "nq_prefill_gemm_swiglu", gate_up, qweight, scales, out, bias, residual,
                  t, n, k, 2 * k, bm, split, warps_m, stages)
 

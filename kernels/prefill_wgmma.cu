@@ -1,0 +1,433 @@
+// prefill_wgmma.cu: the prefill GEMMs on Hopper's wgmma (sm_90a), warp-specialized and pipelined.
+// nq-arch: sm_90a
+//   nq_prefill_wgmma          Y[T,N] = fp16(X W^T [+ bias] [+ residual]); X fp16 [T, K], W INT4
+//                             (ValueShuffle, as prefill_gemm.cu), FP32 accumulation
+//   nq_prefill_wgmma_swiglu   act[T,I] = fp16(silu(fp16(g)) * fp16(u)), [g | u] = X W^T with W the
+//                             gate_up weight [2I, K]: the gate_up GEMM and the SwiGLU in one pass
+//   nq_prefill_wgmma_fp8      out[t,n] = fp16(ts[t] s[n] sum_k xq[t,k] c[n,k] [+ bias] [+ residual]),
+//                             E4M3 operands (QGMMA), fp8.cu's contract (fp8.cuh store_scaled)
+// nq-variants: NQ_PW_BN=112; NQ_PW_BN=144; NQ_PW_BN=256
+//
+// The same contract and rounding as nq_prefill_gemm (prefill_gemm.cu): w16 = fp16(code * scale)
+// by the magic-number dequantization, products and sums FP32, bias / residual added in FP32,
+// one rounding at the end. Same bits as prefill_gemm.cu? No: the tensor cores sum in another
+// order; the float64 bound of tests/test_gpu_prefill.py holds for both.
+//
+// CTA: 3 warpgroups (384 threads). Warpgroup 0 is the producer, 1 and 2 the consumers; each
+// consumer owns 64 of the BM = 128 tokens of the tile and all BN features (wgmma m64nBNk16,
+// accumulators in registers: BN / 2 floats per thread). The k dimension goes through a ring of
+// NQ_PW_STAGES shared-memory stages on mbarriers: `full` (producer -> consumers: 128 cp.async
+// arrivals + 128 plain arrivals after the dequantized stores, or 128 cp.async arrivals for FP8)
+// and `empty` (consumers -> producer: one arrival per consumer warp after its wgmma group that
+// read the stage has completed).
+//
+// Shared-memory layout of a stage (no swizzle; lab/wgmma_fp8.cu's descriptor, proven on the
+// H200): each operand row holds 128 bytes of k (BK = 64 halves, or 128 E4M3 codes); a core
+// matrix is 8 rows x 16 bytes stored as 128 contiguous bytes, element (r, byte b) at
+//     ((r / 8) * 8 + b / 16) * 128 + (r % 8) * 16 + b % 16,
+// so LBO (the next core matrix along k) = 128 bytes, SBO (the next 8 rows) = 1024 bytes, and the
+// k-step s of a stage (16 halves or 32 codes = 32 bytes) starts at byte 256 s. Copies and stores
+// of 16-byte chunks: the 8 lanes of a quarter-warp take rows 8q .. 8q+7 of one chunk column, i.e.
+// one core matrix, 128 contiguous bytes: conflict-free.
+//
+// Producer (128 threads, registers lowered by setmaxnreg.dec):
+//   X (or xq): cp.async 16-byte chunks, zero-filled past T, then cp.async.mbarrier.arrive.noinc
+//     on `full` (the arrival fires when this thread's copies have landed).
+//   W (INT4): thread p owns weight rows p (and p + 128 when BN > 128). Its two 16-byte words of
+//     the k-tile (8 ValueShuffle words = 64 k) and its scale are loaded NQ_PW_PREFETCH k-tiles
+//     ahead into registers (a ring indexed by compile-time constants), dequantized (one word ->
+//     8 consecutive k as fp16 = one 16-byte core-matrix row) and stored, then
+//     fence.proxy.async.shared::cta (the wgmma reads through the async proxy) and a plain arrive.
+//   W (FP8): cp.async like X.
+// Consumers (registers raised by setmaxnreg.inc): wait `full`, 4 wgmmas (one k-tile), commit;
+// wait until one group is pending, i.e. the previous k-tile's group is done, and release its
+// stage. FP8: the tensor core's accumulator keeps fewer bits than FP32 (lab/wgmma_fp8.cu), so each
+// stage (128 k) is summed into a fresh fragment, waited for, and added into the FP32 total.
+//
+// SwiGLU: the CTA's B tile takes BN/2 gate rows n0.. and the BN/2 up rows I + n0.., so thread
+// column c < BN/2 holds g and column c + BN/2 holds u of the same feature n0 + c.
+//
+// Split-K (gridDim.z = S > 1): as prefill_gemm.cu (slice z takes k-tiles [z KT/S, (z+1) KT/S);
+// FP32 partials to a workspace, the last CTA of the tile sums them in slice order); only the
+// 256 consumer threads take part (named barrier 1).
+#include "hopper.cuh"
+#include "fp8.cuh"
+#include "wgmma_ops.cuh"
+
+#ifndef NQ_PW_BN   // features per CTA tile (the wgmma N): 112, 128, 144 or 256
+#error "NQ_PW_BN: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PW_STAGES   // shared-memory ring depth
+#error "NQ_PW_STAGES: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PW_PREFETCH   // W k-tiles the INT4 producer holds in registers ahead of use
+#error "NQ_PW_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PW_PRODUCER_REGS
+#error "NQ_PW_PRODUCER_REGS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PW_CONSUMER_REGS
+#error "NQ_PW_CONSUMER_REGS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PW_BM
+#error "NQ_PW_BM: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PW_ROW_BYTES
+#error "NQ_PW_ROW_BYTES: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+#ifndef NQ_PW_THREADS
+#error "NQ_PW_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
+
+static_assert(NQ_LAYOUT_ID == 1, "the INT4 kernels read layout 1 (INT4, ValueShuffle)");
+static_assert(NQ_GROUP_SIZE == 128, "a k-tile of 64 lies inside one scale group");
+
+namespace pw {
+constexpr int BM = NQ_PW_BM;                 // tokens per tile: 2 consumer warpgroups x 64
+constexpr int BN = NQ_PW_BN;
+constexpr int ROW = NQ_PW_ROW_BYTES;         // bytes of k per operand row per stage (128)
+constexpr int BK16 = ROW / 2;                // k per stage, fp16 operands (64; E4M3: ROW = 128)
+constexpr int STAGES = NQ_PW_STAGES;
+constexpr int THREADS = NQ_PW_THREADS;
+constexpr int RPT = (BN + 127) / 128;        // weight rows per producer thread
+constexpr int PF = NQ_PW_PREFETCH / RPT > 0 ? NQ_PW_PREFETCH / RPT : 1;   // register ring depth
+constexpr int A_BYTES = BM * ROW, B_BYTES = BN * ROW, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr uint32_t LBO = 128, SBO = 1024;
+static_assert(BM == 128 && THREADS == 384, "1 producer + 2 consumer warpgroups, 64 tokens each");
+static_assert(ROW == 128, "a stage row is 8 chunks of 16 bytes (the core-matrix layout above)");
+static_assert(BN % 16 == 0 && BN >= 64 && BN <= 256, "BN: a multiple of 16 in 64..256 (wgmma N, SwiGLU halves)");
+static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
+static_assert(STAGE_BYTES % 1024 == 0, "stages keep 1024-byte alignment");
+static_assert(NQ_PW_PRODUCER_REGS * 128 + NQ_PW_CONSUMER_REGS * 256 <= 65536, "register file: 64K");
+
+enum Mode { kInt4 = 0, kSwiglu = 1, kFp8 = 2 };
+
+__device__ __forceinline__ uint32_t core_off(int r, int chunk) { return ((r >> 3) * 8 + chunk) * 128 + (r & 7) * 16; }
+__device__ __forceinline__ uint64_t desc(uint32_t saddr) {
+  return (uint64_t)((saddr >> 4) & 0x3FFF) | ((uint64_t)(LBO >> 4) << 16) | ((uint64_t)(SBO >> 4) << 32);
+}
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(hopper::smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// ---- dequantization (prefill_gemm.cu's, see there) ----------------------------------------
+constexpr uint32_t kMagicLo = 0x64086408u, kMagicHi = 0x54805480u;
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// One ValueShuffle word (8 consecutive k) times the scale pair s2 -> 16 bytes of fp16 in k order.
+__device__ __forceinline__ void store_dequant(uint32_t dst, uint32_t w, uint32_t s2) {
+  const uint32_t w_hi = nqptx::prmt(w, 0u, 0x3311u);
+  sts128(dst, hmul2(nqptx::hsub2((w & 0x000F000Fu) ^ kMagicLo, kMagicLo), s2),
+         hmul2(nqptx::hsub2((w & 0x00F000F0u) ^ kMagicHi, kMagicHi), s2),
+         hmul2(nqptx::hsub2((w_hi & 0x000F000Fu) ^ kMagicLo, kMagicLo), s2),
+         hmul2(nqptx::hsub2((w_hi & 0x00F000F0u) ^ kMagicHi, kMagicHi), s2));
+}
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+struct Problem {
+  const void* x;              // fp16 [T, K] or E4M3 [T, K]
+  const void* w;              // uint32 [N, K/8] (INT4) or uint8 [N, K] (FP8)
+  const void* scales;         // fp16 [N, K/128] (INT4) or fp32 [N] (FP8)
+  const float* ts;            // FP8: fp32 [T]
+  const half* bias;           // [N] or null
+  const half* residual;       // [T, N] or null (may alias y)
+  half* y;                    // [T, N]; SwiGLU: act [T, N/2]
+  int T, N, K;                // N: rows of W (SwiGLU: 2 I)
+};
+
+// ---- producer ------------------------------------------------------------------------------
+// Operand rows [0, R) of a stage by cp.async: thread p copies chunk column (p/8)%8 of rows
+// (p%8) + 8(p/64) + 16 i; rows at or past `valid_rows` are zero-filled.
+template <int R>
+__device__ __forceinline__ void copy_rows(uint32_t dst, const unsigned char* src, size_t ld_bytes, int valid_rows,
+                                          int p) {
+  const int chunk = (p >> 3) & 7, r0 = (p & 7) + 8 * (p >> 6);
+#pragma unroll
+  for (int i = 0; i < R / 16; ++i) {
+    const int r = r0 + 16 * i;
+    const bool ok = r < valid_rows;
+    hopper::cp_async16(dst + core_off(r, chunk), src + (ok ? (size_t)r * ld_bytes : 0) + chunk * 16, ok);
+  }
+}
+
+template <int MODE>
+__device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
+                                         int m0, int n0, int kt0, int nkt) {
+  const int tid = threadIdx.x;   // 0..127
+  const uint32_t base = hopper::smem_u32(smem);
+  const size_t ldx = MODE == kFp8 ? (size_t)p.K : (size_t)p.K * 2;
+  const unsigned char* xsrc = static_cast<const unsigned char*>(p.x) + (size_t)m0 * ldx;
+  const int xvalid = p.T - m0;
+  hopper::MbarRing<STAGES> ring;
+  if constexpr (MODE == kFp8) {
+    const unsigned char* wsrc = static_cast<const unsigned char*>(p.w) + (size_t)n0 * p.K;
+    for (int kk = 0; kk < nkt; ++kk) {
+      hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
+      const uint32_t st = base + ring.stage * STAGE_BYTES;
+      const size_t koff = (size_t)(kt0 + kk) * ROW;
+      copy_rows<BM>(st, xsrc + koff, ldx, xvalid, tid);
+      copy_rows<BN>(st + A_BYTES, wsrc + koff, p.K, p.N - n0, tid);
+      cp_async_arrive_noinc(&full[ring.stage]);
+      ring.advance();
+    }
+  } else {
+    // Weight row b of the B tile: W row n0 + b, or for SwiGLU (n0 = the feature offset) gate
+    // row n0 + b (b < BN/2) and up row I + n0 + b - BN/2.
+    const int I = p.N / 2, G = p.K / NQ_GROUP_SIZE;
+    const uint4* wrow[RPT];
+    const half* srow[RPT];
+    bool wok[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const int b = tid + 128 * r;
+      int n;
+      if constexpr (MODE == kSwiglu) {
+        const int f = n0 + (b % (BN / 2));
+        wok[r] = b < BN && f < I;
+        n = (b < BN / 2 ? 0 : I) + f;
+      } else {
+        n = n0 + b;
+        wok[r] = b < BN && n < p.N;
+      }
+      n = wok[r] ? n : 0;
+      wrow[r] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.w) + (size_t)n * (p.K / 8));
+      srow[r] = static_cast<const half*>(p.scales) + (size_t)n * G;
+    }
+    uint4 wa[PF][RPT], wb[PF][RPT];
+    uint32_t sc[PF][RPT];
+    auto load = [&](int d, int kt) {   // d: a compile-time constant at every call (unrolled)
+#pragma unroll
+      for (int r = 0; r < RPT; ++r) {
+        if (wok[r]) {
+          wa[d][r] = __ldg(wrow[r] + 2 * kt);
+          wb[d][r] = __ldg(wrow[r] + 2 * kt + 1);
+          const unsigned short s = __ldg(reinterpret_cast<const unsigned short*>(srow[r]) + (kt * BK16) / NQ_GROUP_SIZE);
+          sc[d][r] = (uint32_t)s * 0x10001u;
+        } else {
+          wa[d][r] = make_uint4(0, 0, 0, 0);
+          wb[d][r] = make_uint4(0, 0, 0, 0);
+          sc[d][r] = 0;
+        }
+      }
+    };
+#pragma unroll
+    for (int d = 0; d < PF; ++d)
+      if (d < nkt) load(d, kt0 + d);
+    for (int kb = 0; kb < nkt; kb += PF) {
+#pragma unroll
+      for (int d = 0; d < PF; ++d) {
+        const int kk = kb + d;
+        if (kk >= nkt) break;
+        hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
+        const uint32_t st = base + ring.stage * STAGE_BYTES;
+        copy_rows<BM>(st, xsrc + (size_t)(kt0 + kk) * ROW, ldx, xvalid, tid);
+        cp_async_arrive_noinc(&full[ring.stage]);
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+          const int b = tid + 128 * r;
+          if (b < BN) {
+            const uint32_t dst = st + A_BYTES + core_off(b, 0);
+            store_dequant(dst + 0 * 128, wa[d][r].x, sc[d][r]);
+            store_dequant(dst + 1 * 128, wa[d][r].y, sc[d][r]);
+            store_dequant(dst + 2 * 128, wa[d][r].z, sc[d][r]);
+            store_dequant(dst + 3 * 128, wa[d][r].w, sc[d][r]);
+            store_dequant(dst + 4 * 128, wb[d][r].x, sc[d][r]);
+            store_dequant(dst + 5 * 128, wb[d][r].y, sc[d][r]);
+            store_dequant(dst + 6 * 128, wb[d][r].z, sc[d][r]);
+            store_dequant(dst + 7 * 128, wb[d][r].w, sc[d][r]);
+          }
+        }
+        hopper::fence_proxy_async_smem();
+        hopper::mbar_arrive(&full[ring.stage]);
+        if (kk + PF < nkt) load(d, kt0 + kk + PF);
+        ring.advance();
+      }
+    }
+  }
+  hopper::cp_async_wait<0>();   // no copy of this thread outlives it
+}
+
+// ---- consumers -----------------------------------------------------------------------------
+template <int MODE>
+__device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* smem, uint64_t* full, uint64_t* empty,
+                                         int wg, int nkt) {
+  const uint32_t base = hopper::smem_u32(smem);
+  const bool leader = (threadIdx.x & 31) == 0;
+  hopper::MbarRing<STAGES> ring;
+  int prev = -1;
+  for (int kk = 0; kk < nkt; ++kk) {
+    hopper::mbar_wait(&full[ring.stage], ring.phase);
+    hopper::fence_proxy_async_smem();   // the producer's cp.async writes (generic proxy) before the wgmma reads
+    const uint32_t a = base + ring.stage * STAGE_BYTES + wg * (64 * ROW);
+    const uint32_t b = base + ring.stage * STAGE_BYTES + A_BYTES;
+    if constexpr (MODE == kFp8) {
+      float part[BN / 2];
+      hopper::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_e4m3<BN>(part, desc(a + 256 * s), desc(b + 256 * s), s);
+      hopper::wgmma_commit();
+      hopper::wgmma_wait<0>();
+      if (leader) hopper::mbar_arrive(&empty[ring.stage]);
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];   // promotion: FP32 adds every 128 k
+    } else {
+      hopper::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_f16<BN>(acc, desc(a + 256 * s), desc(b + 256 * s), 1);
+      hopper::wgmma_commit();
+      hopper::wgmma_wait<1>();   // the previous k-tile's group is done: its stage is free
+      if (prev >= 0 && leader) hopper::mbar_arrive(&empty[prev]);
+      prev = ring.stage;
+    }
+    ring.advance();
+  }
+  if constexpr (MODE != kFp8) {
+    hopper::wgmma_wait<0>();
+    if (prev >= 0 && leader) hopper::mbar_arrive(&empty[prev]);
+  }
+}
+
+// Split-K: workspace [slice][tile][j = 0..BN/8)[256 consumer threads] of float4. True in the
+// CTA that holds the tile's sum.
+__device__ __forceinline__ bool reduce_split(float (&acc)[BN / 2], float* ws, int* counters, int ct) {
+  __shared__ int is_last;
+  const int tiles = gridDim.x * gridDim.y, tile = blockIdx.y * gridDim.x + blockIdx.x;
+  const int S = gridDim.z, z = blockIdx.z;
+  float4* part = reinterpret_cast<float4*>(ws);
+  const size_t slice_stride = (size_t)tiles * (BN / 8) * 256;
+  float4* mine = part + (size_t)tile * (BN / 8) * 256 + ct;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+    __stcg(mine + z * slice_stride + j * 256, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
+  __threadfence();
+  consumer_sync();
+  if (ct == 0) is_last = atomicAdd(&counters[tile], 1) == S - 1;
+  consumer_sync();
+  if (!is_last) return false;
+  __threadfence();
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const float4* src = mine + j * 256;
+    float4 sum = __ldcg(src);
+    for (int zz = 1; zz < S; ++zz) {   // slice order: the same bits every run
+      const float4 v = __ldcg(src + zz * slice_stride);
+      sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+    }
+    acc[4 * j] = sum.x; acc[4 * j + 1] = sum.y; acc[4 * j + 2] = sum.z; acc[4 * j + 3] = sum.w;
+  }
+  if (ct == 0) counters[tile] = 0;   // ready for the next launch
+  return true;
+}
+
+template <int MODE>
+__device__ __forceinline__ void epilogue(const Problem& p, const float (&acc)[BN / 2], int m0, int n0, int wg) {
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int row0 = m0 + 64 * wg + 16 * warp + (lane >> 2), col0 = 2 * (lane & 3);
+  if constexpr (MODE == kSwiglu) {
+    const int I = p.N / 2;
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = row0 + 8 * rr, f = n0 + 8 * j + col0;
+        if (row >= p.T || f >= I) continue;   // I % 8 == 0: f + 1 < I too
+        const float g0 = __half2float(__float2half_rn(acc[4 * j + 2 * rr]));
+        const float g1 = __half2float(__float2half_rn(acc[4 * j + 2 * rr + 1]));
+        const float u0 = __half2float(__float2half_rn(acc[4 * (j + BN / 16) + 2 * rr]));
+        const float u1 = __half2float(__float2half_rn(acc[4 * (j + BN / 16) + 2 * rr + 1]));
+        *reinterpret_cast<half2*>(p.y + (size_t)row * I + f) = __floats2half2_rn(silu_mul(g0, u0), silu_mul(g1, u1));
+      }
+  } else {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = row0 + 8 * rr, col = n0 + 8 * j + col0;
+        if (row >= p.T || col >= p.N) continue;   // N % 8 == 0: col + 1 < N too
+        if constexpr (MODE == kFp8) {
+          nqfp8::store_scaled(p.y, p.ts, static_cast<const float*>(p.scales), p.bias, p.residual, row, col, p.T, p.N,
+                              acc[4 * j + 2 * rr]);
+          nqfp8::store_scaled(p.y, p.ts, static_cast<const float*>(p.scales), p.bias, p.residual, row, col + 1, p.T,
+                              p.N, acc[4 * j + 2 * rr + 1]);
+        } else {
+          float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
+          if (p.bias) {
+            v0 += __half2float(p.bias[col]);
+            v1 += __half2float(p.bias[col + 1]);
+          }
+          half2* dst = reinterpret_cast<half2*>(p.y + (size_t)row * p.N + col);
+          if (p.residual) {
+            const float2 r = __half22float2(*reinterpret_cast<const half2*>(p.residual + (size_t)row * p.N + col));
+            v0 += r.x;
+            v1 += r.y;
+          }
+          *dst = __floats2half2_rn(v0, v1);
+        }
+      }
+  }
+}
+
+// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + the barriers.
+template <int MODE>
+__device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* counters) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (hopper::smem_u32(smem_raw) & 1023u)) & 1023u);   // 1024-aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+  uint64_t* empty = full + STAGES;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      hopper::mbar_init(&full[s], MODE == kFp8 ? 128 : 256);
+      hopper::mbar_init(&empty[s], 8);   // one arrival per consumer warp
+    }
+    hopper::fence_mbarrier_init();
+  }
+  __syncthreads();
+  const int m0 = blockIdx.x * BM;
+  const int n0 = blockIdx.y * (MODE == kSwiglu ? BN / 2 : BN);
+  const int KT = p.K / ROW * (MODE == kFp8 ? 1 : 2);   // stages of 128 bytes of k per row
+  const int kt0 = (blockIdx.z * KT) / gridDim.z, nkt = ((blockIdx.z + 1) * KT) / gridDim.z - kt0;
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    hopper::setmaxnreg_dec<NQ_PW_PRODUCER_REGS>();
+    producer<MODE>(p, smem, full, empty, m0, n0, kt0, nkt);
+  } else {
+    hopper::setmaxnreg_inc<NQ_PW_CONSUMER_REGS>();
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    mainloop<MODE>(acc, smem, full, empty, wg - 1, nkt);
+    if (gridDim.z > 1 && !reduce_split(acc, ws, counters, threadIdx.x - 128)) return;
+    epilogue<MODE>(p, acc, m0, n0, wg - 1);
+  }
+}
+}  // namespace pw
+
+// INT4: x fp16 [T, K]; qw uint32 [N, K/8]; scales fp16 [N, K/128]; N % 8 == 0, K % 128 == 0.
+// ws fp32 / counters int32 (zero): split-K (gridDim.z > 1) only. Grid (ceil(T/128), ceil(N/BN), S).
+extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
+nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
+                 const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters) {
+  pw::gemm_body<pw::kInt4>(pw::Problem{x, qw, scales, nullptr, bias, residual, y, T, N, K}, ws, counters);
+}
+
+// SwiGLU: qw / scales of gate_up [2I, K]; act fp16 [T, I]; I % 8 == 0. Grid (ceil(T/128), ceil(I/(BN/2)), S).
+extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
+nq_prefill_wgmma_swiglu(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
+                        half* act, int T, int N2, int K, float* ws, int* counters) {
+  pw::gemm_body<pw::kSwiglu>(pw::Problem{x, qw, scales, nullptr, nullptr, nullptr, act, T, N2, K}, ws, counters);
+}
+
+// FP8: xq uint8 [T, K], ts fp32 [T], codes uint8 [N, K], scales fp32 [N]; N % 8 == 0, K % 128 == 0.
+extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
+nq_prefill_wgmma_fp8(const unsigned char* __restrict__ xq, const float* __restrict__ ts,
+                     const unsigned char* __restrict__ codes, const float* __restrict__ scales, const half* bias,
+                     const half* residual, half* y, int T, int N, int K, float* ws, int* counters) {
+  pw::gemm_body<pw::kFp8>(pw::Problem{xq, codes, scales, ts, bias, residual, y, T, N, K}, ws, counters);
+}

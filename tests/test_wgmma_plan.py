@@ -1,0 +1,49 @@
+"""The wgmma GEMM's launch planning and option checks on the CPU (ops_prefill.plan_wgmma,
+the kernel choice of gemm_int4, the shared-memory budget of every build)."""
+import pytest
+
+from nanoqwen_lib import config
+from nanoqwen_lib.errors import NanoqwenError
+from nanoqwen_lib.format.layout import decode_gemv_shapes
+from nanoqwen_lib.gpu import ops_prefill as op
+
+SMEM_LIMIT = 227 * 1024        # the H200's per-block dynamic shared memory
+
+
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    monkeypatch.setattr(op, "num_sms", lambda: 132)
+
+
+def test_every_build_fits_shared_memory():
+    for bn in op.WGMMA_BN_CHOICES:
+        assert op.wgmma_smem_bytes(bn) <= SMEM_LIMIT, bn
+
+
+@pytest.mark.parametrize("t", [1, 17, 64, 100, 512, 2048])
+@pytest.mark.parametrize("model", ["7b", "tiny"])
+def test_plan_is_a_build_and_fits_the_workspace(model, t):
+    for n, k in decode_gemv_shapes(config.load().model(model)).values():
+        bn, split = op.plan_wgmma(t, n, k)
+        assert bn in op.WGMMA_BN_CHOICES and 1 <= split <= k // op.WGMMA_BK
+        tiles = -(-t // op.WGMMA_BM) * -(-n // bn)
+        assert split == 1 or split * tiles * op.WGMMA_BM * bn <= op.WS_FLOATS
+
+
+def test_plan_fills_the_machine_at_512_tokens():
+    """T = 512: one wave of 128 CTAs for the N = 3584 shapes (bn 112), not 112 of 128x128."""
+    for n, k in ((3584, 3584), (3584, 18944)):
+        bn, split = op.plan_wgmma(512, n, k)
+        assert split == 1 and 4 * -(-n // bn) * split <= 132 and 4 * -(-n // bn) * split >= 120, (n, bn, split)
+
+
+def test_kernel_choice():
+    assert op._kernel_choice("gemm_int4", None, 4608) == op.DEFAULT_GEMM_KERNEL
+    assert op._kernel_choice("gemm_int4", None, 4608, bm=64) == "mma"      # an mma option picks mma
+    assert op._kernel_choice("gemm_int4", None, 7) == "mma"                # N not a multiple of 8
+    for kw, field in ((dict(kernel="wgmma", bm=64), "bm"), (dict(kernel="wgmma", warps_m=4), "warps_m"),
+                      (dict(kernel="mma", bn=128), "bn"), (dict(kernel="cutlass"), "kernel")):
+        kernel = kw.pop("kernel")
+        with pytest.raises(NanoqwenError) as ei:
+            op._kernel_choice("gemm_int4", kernel, 4608, **kw)
+        assert ei.value.field == field and "ops_prefill.gemm_int4" in str(ei.value)
