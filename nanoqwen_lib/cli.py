@@ -216,7 +216,7 @@ def cmd_bench(a) -> int:
         raise LimitError(a.file, "GPU", "a CUDA GPU for benchmark_e2e", "none (cupy sees no device)")
     r = benchmark_e2e(f, a.prompt_tokens, a.gen_tokens, a.warmup,
                       progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True),
-                      prefill=a.prefill, breakdown=a.breakdown)
+                      prefill=a.prefill, breakdown=a.breakdown, prefill_gemm=a.prefill_gemm)
     if a.peers:
         from nanoqwen_lib.measure.peers import run_peers
         r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True),
@@ -305,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the ITL breakdown: each region of a decode token, eager and graph kernel_gap")
     s.add_argument("--prefill", choices=["tensor-core", "token-by-token"], default="tensor-core",
                    help="prefill to time (default tensor-core; token-by-token is the simple baseline)")
+    s.add_argument("--prefill-gemm", choices=["wgmma", "mma"], default=None,
+                   help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm; "
+                        "mma is the earlier mma.sync kernel, for comparison)")
     s.add_argument("--json", type=Path, help="write all results, GPU name, clocks and git commit here")
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
     s.set_defaults(fn=cmd_bench)

@@ -34,12 +34,13 @@ def stand_in_arena(plan) -> dict:
     return views
 
 
-def stand_in_engine(dims_name: str, max_tokens: int, encoding: str = "int4"):
-    """A GpuBackend for a file of this weight encoding, with only what its launch lists read."""
+def stand_in_engine(dims_name: str, max_tokens: int, encoding: str = "int4", prefill_gemm: str | None = None):
+    """A GpuBackend for a file of this weight encoding, with only what its launch lists read
+    (prefill_gemm: the engine's, default nanoqwen.yaml's)."""
     eng = object.__new__(GpuBackend)
     eng.dims, eng.encoding = load().model(dims_name), encoding
     eng.arena = stand_in_arena(plan_arena(eng.dims, max_tokens, encoding))
-    eng.proj = ENCODINGS[encoding](eng.arena)
+    eng.proj = ENCODINGS[encoding](eng.arena, prefill_gemm or load().engine.prefill_gemm)
     eng.chunk = eng.arena["p.x"].shape[0]
     eng.ops, eng.attn, eng.pf = ops_decode, ops_attention, ops_prefill
     eng.kv = eng.arena["kv"]

@@ -1,5 +1,6 @@
 """The engine's wiring of each weight encoding, on the CPU: every projection launch of the
-FP8 engine (decode and prefill) is run through its launchers' checks against a stand-in
+FP8 engine (decode and prefill) and of the INT4 prefill (on wgmma and on mma.sync) is run
+through its launchers' checks against a stand-in
 arena, with the kernels replaced by a recorder. Dtypes, shapes, contiguity, 128-byte alignment and aliasing of
 every argument are checked exactly as on the GPU; only the kernels do not run (their
 numbers are tests/test_gpu_fp8.py's and tests/test_gpu_engine_fp8.py's)."""
@@ -26,11 +27,14 @@ def recorded(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", stand_in_cupy)
     monkeypatch.setattr(ops_fp8, "_kernel", kernel)
     monkeypatch.setattr(ops_prefill, "_gemm_kernel", lambda name, *a: kernel(name))
+    monkeypatch.setattr(ops_prefill, "_wgmma_kernel", lambda name, *a: kernel(name))
+    monkeypatch.setattr(ops_prefill, "num_sms", lambda: 132)          # the H200's, for the plans
+    monkeypatch.setattr(ops_prefill, "workspace", lambda: (None, None))
     return calls
 
 
-def fp8_engine(dims_name: str, max_tokens: int):
-    return stand_in_engine(dims_name, max_tokens, "fp8")
+def fp8_engine(dims_name: str, max_tokens: int, prefill_gemm: str = "mma"):
+    return stand_in_engine(dims_name, max_tokens, "fp8", prefill_gemm)
 
 
 SWAPPED_DECODE = {"qkv_gemv": ["nq_gemv_fp8"], "o_proj": ["nq_gemv_fp8"], "gate_up_gemv": ["nq_gemv_fp8"],
@@ -39,6 +43,14 @@ SWAPPED_PREFILL = {"qkv_gemm": ["nq_quantize_rows_fp8", "nq_gemm_fp8"],
                    "o_proj_gemm": ["nq_quantize_rows_fp8", "nq_gemm_fp8"],
                    "gate_up_gemm": ["nq_quantize_rows_fp8", "nq_gemm_fp8"],
                    "swiglu_down_gemm": ["nq_swiglu_act", "nq_quantize_rows_fp8", "nq_gemm_fp8"]}
+# The same regions on wgmma: FP8's GEMM swapped; INT4 fuses SwiGLU into gate_up.
+FP8_WGMMA_PREFILL = {r: [k.replace("nq_gemm_fp8", "nq_prefill_wgmma_fp8") for k in ks] for r, ks in SWAPPED_PREFILL.items()}
+INT4_PREFILL = {
+    "mma": {"qkv_gemm": ["nq_prefill_gemm"], "o_proj_gemm": ["nq_prefill_gemm"], "gate_up_gemm": ["nq_prefill_gemm"],
+            "swiglu_down_gemm": ["nq_swiglu_act", "nq_prefill_gemm"]},
+    "wgmma": {"qkv_gemm": ["nq_prefill_wgmma"], "o_proj_gemm": ["nq_prefill_wgmma"],
+              "gate_up_gemm": ["nq_prefill_wgmma_swiglu"], "swiglu_down_gemm": ["nq_prefill_wgmma"]},
+}
 
 
 @pytest.mark.parametrize("dims_name", ["7b", "tiny", "tiny-hd64"])
@@ -71,12 +83,30 @@ def test_fp8_prefill_launches_pass_their_checks(recorded, dims_name, t, start):
     assert seen == set(SWAPPED_PREFILL)
 
 
+@pytest.mark.parametrize("gemm", ["wgmma", "mma"])
+@pytest.mark.parametrize("dims_name,t,start", [("7b", 512, 0), ("7b", 37, 512), ("tiny", 1, 0), ("tiny-hd64", 100, 16)])
+def test_prefill_projection_kernels_per_gemm(recorded, gemm, dims_name, t, start):
+    """Each prefill projection region launches its encoding's kernels on the chosen GEMM, and
+    every launch passes its launcher's checks (shapes, dtypes, aliasing, alignment)."""
+    for encoding, want in (("int4", INT4_PREFILL[gemm]), ("fp8", SWAPPED_PREFILL if gemm == "mma" else FP8_WGMMA_PREFILL)):
+        eng = stand_in_engine(dims_name, 1024, encoding, gemm)
+        got = {}
+        for name, launch in eng.prefill_launches(start, t):
+            if name in want and name not in got:
+                del recorded[:]
+                launch()
+                got[name] = [c[0] for c in recorded]
+        assert got == want, (encoding, gemm)
+
+
 def test_each_encoding_names_its_own_prefill_gemms():
     """What bench writes as protocol.prefill: the file's encoding's GEMMs."""
     for encoding, word in (("int4", "INT4"), ("fp8", "FP8")):
-        eng = stand_in_engine("tiny", 64, encoding)
-        eng.prefill_mode, eng.chunk = "tensor-core", 512
-        assert eng.prefill_kind.startswith(word) and "512" in eng.prefill_kind
+        for gemm in ("wgmma", "mma"):
+            eng = stand_in_engine("tiny", 64, encoding, gemm)
+            eng.prefill_mode, eng.chunk = "tensor-core", 512
+            assert eng.prefill_kind.startswith(word) and "512" in eng.prefill_kind
+            assert ("wgmma" in eng.prefill_kind) == (gemm == "wgmma")
 
 
 def test_launch_step_chooses_replay_or_eager_and_writes_the_token_first():

@@ -30,6 +30,7 @@ from nanoqwen_lib.model.generate import check_request
 KV = load().kv_cache
 PREFILL_CHUNK = load().engine.prefill_chunk_tokens
 PREFILL_MODES = ("tensor-core", "token-by-token")
+PREFILL_GEMMS = ("wgmma", "mma")
 # Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu).
 SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")
 SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
@@ -115,9 +116,12 @@ class GpuBackend:
     name = "gpu"
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
-                 prefill: str = "tensor-core"):
+                 prefill: str = "tensor-core", prefill_gemm: str | None = None):
         if prefill not in PREFILL_MODES:               # refused before anything touches the GPU
             raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
+        prefill_gemm = prefill_gemm or load().engine.prefill_gemm
+        if prefill_gemm not in PREFILL_GEMMS:
+            raise LimitError("<engine>", "prefill_gemm", f"one of {PREFILL_GEMMS}", repr(prefill_gemm))
         import cupy as cp
         from nanoqwen_lib.gpu import ops_attention, ops_decode, ops_prefill
         from nanoqwen_lib.gpu.cuda_build import load_module
@@ -126,7 +130,7 @@ class GpuBackend:
         self.encoding = nq_file.encoding
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
         self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding), source=nq_file.path)
-        self.proj = ENCODINGS[self.encoding](a)
+        self.proj = ENCODINGS[self.encoding](a, prefill_gemm)
         tensors = nq_file.model_tensors()      # validated before this point (NanoqwenFile.open)
         for src, dst, row in weight_sources(dims):
             a.upload(dst, tensors[src], row)
@@ -326,7 +330,7 @@ class GpuBackend:
                                                                                     start_pos=start)),
                 (O_PROJ.prefill, p.prefill(w + "o_proj", attn, x, residual=x)),
                 (NORM_MLP.prefill, lambda w=w: ops.rmsnorm(x, a[w + "ln2"], y, d.rms_eps)),
-                (GATE_UP.prefill, p.prefill(w + "gate_up", y, gate_up)),
+                (GATE_UP.prefill, p.prefill_gate_up(w + "gate_up", y, gate_up, act)),
                 (DOWN.prefill, p.prefill_swiglu(w + "down", gate_up, act, x, residual=x)),
             ]
         return out

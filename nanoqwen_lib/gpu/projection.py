@@ -27,8 +27,8 @@ class Projections:
     encoding = ""
     prefill_gemms = ""                      # what the prefill's projections run on, in words
 
-    def __init__(self, arena):
-        self.a = arena
+    def __init__(self, arena, gemm: str = "wgmma"):
+        self.a, self.gemm = arena, gemm
 
     @classmethod
     def add_slots(cls, plan, layer_prefix: str, dims) -> None:
@@ -44,15 +44,27 @@ class Projections:
     def weights(self, matrix: str) -> tuple:
         return self.a[matrix + ".qweight"], self.a[matrix + ".scales"]
 
+    def prefill_gate_up(self, matrix: str, x, gate_up, act):
+        """The MLP's first GEMM: gate_up = x W^T (act is formed by prefill_swiglu), unless the
+        encoding fuses SwiGLU into this GEMM's epilogue (then act directly)."""
+        return self.prefill(matrix, x, gate_up)
+
 
 class Int4Projections(Projections):
     encoding = "int4"
-    prefill_gemms = "INT4 tensor-core GEMMs"
 
-    def __init__(self, arena):
-        super().__init__(arena)
+    def __init__(self, arena, gemm: str = "wgmma"):
+        super().__init__(arena, gemm)
         from nanoqwen_lib.gpu import ops_gemv, ops_prefill
         self.gemv, self.pf = ops_gemv, ops_prefill
+        # wgmma: SwiGLU in the gate_up GEMM's epilogue (act straight out, no gate_up rows in memory)
+        self.fused_gate_up = gemm == "wgmma"
+
+    @property
+    def prefill_gemms(self) -> str:
+        if self.gemm == "wgmma":
+            return "INT4 GEMMs on wgmma (FP16 HGMMA, dequantized by a producer warpgroup; SwiGLU fused into gate_up)"
+        return "INT4 GEMMs on mma.sync (dequantized in registers)"
 
     def decode(self, matrix: str, x, out, bias=None, residual=None):
         qw, sc = self.weights(matrix)
@@ -65,21 +77,33 @@ class Int4Projections(Projections):
 
     def prefill(self, matrix: str, x, out, bias=None, residual=None):
         qw, sc = self.weights(matrix)
-        return lambda: self.pf.gemm_int4(x, qw, sc, out, bias=bias, residual=residual)
+        return lambda: self.pf.gemm_int4(x, qw, sc, out, bias=bias, residual=residual, kernel=self.gemm)
+
+    def prefill_gate_up(self, matrix: str, x, gate_up, act):
+        if not self.fused_gate_up:
+            return self.prefill(matrix, x, gate_up)
+        qw, sc = self.weights(matrix)
+        return lambda: self.pf.gemm_int4_gate_up_swiglu(x, qw, sc, act)
 
     def prefill_swiglu(self, matrix: str, gate_up, act, out, residual=None):
+        if self.fused_gate_up:                      # act came out of the gate_up GEMM
+            return self.prefill(matrix, act, out, residual=residual)
         qw, sc = self.weights(matrix)
-        return lambda: self.pf.gemm_int4_swiglu(gate_up, qw, sc, out, residual=residual, act=act)
+        return lambda: self.pf.gemm_int4_swiglu(gate_up, qw, sc, out, residual=residual, act=act, kernel=self.gemm)
 
 
 class Fp8Projections(Projections):
     encoding = "fp8"
-    prefill_gemms = "FP8 E4M3 GEMMs (mma.sync, per-token activation scales)"
 
-    def __init__(self, arena):
-        super().__init__(arena)
+    def __init__(self, arena, gemm: str = "wgmma"):
+        super().__init__(arena, gemm)
         from nanoqwen_lib.gpu import ops_fp8, ops_prefill
         self.f8, self.pf = ops_fp8, ops_prefill
+
+    @property
+    def prefill_gemms(self) -> str:
+        how = "wgmma (QGMMA)" if self.gemm == "wgmma" else "mma.sync"
+        return f"FP8 E4M3 GEMMs on {how}, per-token activation scales"
 
     @classmethod
     def add_buffers(cls, plan, dims, chunk: int) -> None:
@@ -108,7 +132,7 @@ class Fp8Projections(Projections):
 
         def launch():
             self.f8.quantize_rows_fp8(x, xq, ts)
-            self.f8.gemm_fp8(xq, ts, qw, sc, out, bias=bias, residual=residual)
+            self.f8.gemm_fp8(xq, ts, qw, sc, out, bias=bias, residual=residual, kernel=self.gemm)
         return launch
 
     def prefill_swiglu(self, matrix: str, gate_up, act, out, residual=None):

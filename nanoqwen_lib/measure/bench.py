@@ -72,7 +72,8 @@ def timed_request(engine, prompt: list[int], gen_tokens: int) -> dict:
 
 
 def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, seed=0,
-                  progress=print, prefill: str = "tensor-core", breakdown: bool = False) -> dict:
+                  progress=print, prefill: str = "tensor-core", breakdown: bool = False,
+                  prefill_gemm: str | None = None) -> dict:
     """The protocol; with breakdown=True also the ITL breakdown (breakdown.itl_breakdown) on
     the same engine after the timed run."""
     from nanoqwen_lib.measure.breakdown import itl_breakdown, prefill_breakdown
@@ -86,7 +87,7 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     prompt = np.random.default_rng(seed).integers(0, 151643, prompt_tokens).tolist()
     progress(f"loading {nq_file.path} onto the GPU")
     engine = GpuBackend(nq_file, max_tokens=prompt_tokens + max(gen_tokens, 128) + 16, graphs=True,
-                         prefill=prefill)
+                         prefill=prefill, prefill_gemm=prefill_gemm)
     for i in range(warmup):
         progress(f"warm-up {i + 1}/{warmup}")
         timed_request(engine, prompt, gen_tokens)
