@@ -91,6 +91,26 @@ for what in "$@"; do
       python3 -m pip install -q --no-index --find-links .whl diskcache 2>&1 | tail -1
       timeout ${LLAMA_TIMEOUT:-560} python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
         --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps convert --out $OUT/llama-cpp-convert.json 2>&1 | tail -8 ;;
+    llama-prep-bg)
+      # llama.cpp's CPU-bound part (synthesize, convert, quantize) in the background, so that GPU
+      # work can run meanwhile; llama-wait waits for it (same call or the next, machine still warm).
+      python3 -m pip install -q --no-index --find-links .whl diskcache 2>&1 | tail -1
+      mkdir -p .peers; rm -f .peers/prep.done
+      setsid nohup bash -c "python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
+        --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps convert,quantize --drop-f16 \
+        --out .peers/llama-cpp-prep.json > .peers/prep.log 2>&1; echo \$? > .peers/prep.done" >/dev/null 2>&1 &
+      echo "llama.cpp prep started in the background" ;;
+    llama-wait)
+      t0=$(date +%s)
+      while [ ! -f .peers/prep.done ] && [ $(( $(date +%s) - t0 )) -lt ${LLAMA_WAIT:-400} ]; do sleep 5; done
+      echo "llama.cpp prep: rc $(cat .peers/prep.done 2>/dev/null || echo 'not done') after $(( $(date +%s) - t0 )) s more"
+      tail -4 .peers/prep.log; cp .peers/prep.log $OUT/ 2>/dev/null ;;
+    llama-timed)
+      # quantized files ready: time with llama-bench and check tokens (alone on the GPU)
+      python3 -m pip install -q --no-index --find-links .whl diskcache 2>&1 | tail -1
+      timeout ${LLAMA_TIMEOUT:-400} python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
+        --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps bench,check \
+        --out .peers/llama-cpp.json 2>&1 | tail -8; cp .peers/llama-cpp.json $OUT/ ;;
     llama-bench)
       # llama.cpp, part 2 (same warm machine): quantize, time, check; the JSON stays in .peers for bench-peers.
       python3 -m pip install -q --no-index --find-links .whl diskcache 2>&1 | tail -1

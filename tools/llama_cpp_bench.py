@@ -161,6 +161,8 @@ def build(src: Path, build_dir: Path, cuda: bool, jobs: int, portable: bool = Fa
             "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
             "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
             f"-DGGML_NATIVE={'OFF' if portable else 'ON'}"]
+    if portable:            # the libraries find each other beside themselves wherever they are unpacked
+        args.append("-DCMAKE_BUILD_RPATH=$ORIGIN")
     if cuda and portable:   # a machine without a driver has no libcuda to link: the legacy memory pool
         args.append("-DGGML_CUDA_NO_VMM=ON")
     if cuda:
@@ -204,6 +206,7 @@ def unpack_build(tarball: Path, bin_dir: Path) -> dict:
     with tarfile.open(tarball) as t:
         t.extractall(bin_dir, filter="tar")
     info = json.loads((bin_dir / "build.json").read_text())
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([str(bin_dir), os.environ.get("LD_LIBRARY_PATH", "")])
     log(f"using the prebuilt llama.cpp from {tarball}: {info}")
     return {**info, "prebuilt": True}
 
