@@ -97,17 +97,22 @@ static_assert(BM == 128 && THREADS == 384, "1 producer + 2 consumer warpgroups, 
 static_assert(ROW == 128, "a stage row is 8 chunks of 16 bytes (the core-matrix layout above)");
 static_assert(BN % 16 == 0 && BN >= 64 && BN <= 256, "BN: a multiple of 16 in 64..256 (wgmma N, SwiGLU halves)");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
-static_assert(STAGE_BYTES % 1024 == 0, "stages keep 1024-byte alignment");
+static_assert(STAGE_BYTES % 1024 == 0 && A_BYTES % 1024 == 0, "stages and tiles keep 1024-byte alignment (128B swizzle)");
+static_assert(BM <= 256 && BN <= 256, "a TMA box dimension holds at most 256 rows");
 static_assert(NQ_PW_PRODUCER_REGS * 128 + NQ_PW_CONSUMER_REGS * 256 <= 65536, "register file: 64K");
 
 enum Mode { kInt4 = 0, kSwiglu = 1, kFp8 = 2 };
 
 __device__ __forceinline__ uint32_t core_off(int r, int chunk) { return ((r >> 3) * 8 + chunk) * 128 + (r & 7) * 16; }
+// The dequantized INT4 B tile: no swizzle, core matrices (LBO 128, SBO 1024); k-step s at +256 s.
 __device__ __forceinline__ uint64_t desc(uint32_t saddr) {
   return (uint64_t)((saddr >> 4) & 0x3FFF) | ((uint64_t)(LBO >> 4) << 16) | ((uint64_t)(SBO >> 4) << 32);
 }
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(hopper::smem_u32(bar)) : "memory");
+// A tile written by TMA with CU_TENSOR_MAP_SWIZZLE_128B: row r at 128 r, its 16-byte chunk c at
+// ((c ^ (r % 8)) * 16); descriptor layout 1 (128B swizzle) in bits 62-63, SBO = 1024 (8 rows),
+// LBO unused (1); the tile base 1024-aligned; k-step s (32 bytes of k) starts at +32 s.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
+  return (uint64_t)((saddr >> 4) & 0x3FFF) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
@@ -140,41 +145,31 @@ struct Problem {
   const half* residual;       // [T, N] or null (may alias y)
   half* y;                    // [T, N]; SwiGLU: act [T, N/2]
   int T, N, K;                // N: rows of W (SwiGLU: 2 I)
+  const hopper::TensorMap* xmap;   // X (or xq) [T, K]: box {BM rows, 128 bytes}, 128B swizzle
+  const hopper::TensorMap* wmap;   // FP8 codes [N, K]: box {BN rows, 128 bytes}, 128B swizzle; else null
 };
 
 // ---- producer ------------------------------------------------------------------------------
-// Operand rows [0, R) of a stage by cp.async: thread p copies chunk column (p/8)%8 of rows
-// (p%8) + 8(p/64) + 16 i; rows at or past `valid_rows` are zero-filled.
-template <int R>
-__device__ __forceinline__ void copy_rows(uint32_t dst, const unsigned char* src, size_t ld_bytes, int valid_rows,
-                                          int p) {
-  const int chunk = (p >> 3) & 7, r0 = (p & 7) + 8 * (p >> 6);
-#pragma unroll
-  for (int i = 0; i < R / 16; ++i) {
-    const int r = r0 + 16 * i;
-    const bool ok = r < valid_rows;
-    hopper::cp_async16(dst + core_off(r, chunk), src + (ok ? (size_t)r * ld_bytes : 0) + chunk * 16, ok);
-  }
-}
-
 template <int MODE>
 __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
                                          int m0, int n0, int kt0, int nkt) {
   const int tid = threadIdx.x;   // 0..127
   const uint32_t base = hopper::smem_u32(smem);
-  const size_t ldx = MODE == kFp8 ? (size_t)p.K : (size_t)p.K * 2;
-  const unsigned char* xsrc = static_cast<const unsigned char*>(p.x) + (size_t)m0 * ldx;
-  const int xvalid = p.T - m0;
   hopper::MbarRing<STAGES> ring;
+  // Thread 0 issues the TMA copies: X's box (BM rows from m0, 128 bytes of k), zero-filled past T.
+  if (tid == 0) {
+    hopper::prefetch_tensor_map(p.xmap);
+    if constexpr (MODE == kFp8) hopper::prefetch_tensor_map(p.wmap);
+  }
   if constexpr (MODE == kFp8) {
-    const unsigned char* wsrc = static_cast<const unsigned char*>(p.w) + (size_t)n0 * p.K;
+    if (tid != 0) return;
     for (int kk = 0; kk < nkt; ++kk) {
       hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
-      const uint32_t st = base + ring.stage * STAGE_BYTES;
-      const size_t koff = (size_t)(kt0 + kk) * ROW;
-      copy_rows<BM>(st, xsrc + koff, ldx, xvalid, tid);
-      copy_rows<BN>(st + A_BYTES, wsrc + koff, p.K, p.N - n0, tid);
-      cp_async_arrive_noinc(&full[ring.stage]);
+      unsigned char* st = smem + ring.stage * STAGE_BYTES;
+      const int kc = (kt0 + kk) * ROW;   // E4M3: bytes = elements
+      hopper::mbar_arrive_expect_tx(&full[ring.stage], STAGE_BYTES);
+      hopper::tensor_copy_2d_g2s(st, p.xmap, kc, m0, &full[ring.stage]);
+      hopper::tensor_copy_2d_g2s(st + A_BYTES, p.wmap, kc, n0, &full[ring.stage]);
       ring.advance();
     }
   } else {
@@ -227,8 +222,10 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
         if (kk >= nkt) break;
         hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
         const uint32_t st = base + ring.stage * STAGE_BYTES;
-        copy_rows<BM>(st, xsrc + (size_t)(kt0 + kk) * ROW, ldx, xvalid, tid);
-        cp_async_arrive_noinc(&full[ring.stage]);
+        if (tid == 0) {
+          hopper::mbar_arrive_expect_tx(&full[ring.stage], A_BYTES);
+          hopper::tensor_copy_2d_g2s(smem + ring.stage * STAGE_BYTES, p.xmap, (kt0 + kk) * BK16, m0, &full[ring.stage]);
+        }
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
           const int b = tid + 128 * r;
@@ -251,7 +248,6 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       }
     }
   }
-  hopper::cp_async_wait<0>();   // no copy of this thread outlives it
 }
 
 // ---- consumers -----------------------------------------------------------------------------
@@ -264,14 +260,13 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
   int prev = -1;
   for (int kk = 0; kk < nkt; ++kk) {
     hopper::mbar_wait(&full[ring.stage], ring.phase);
-    hopper::fence_proxy_async_smem();   // the producer's cp.async writes (generic proxy) before the wgmma reads
     const uint32_t a = base + ring.stage * STAGE_BYTES + wg * (64 * ROW);
     const uint32_t b = base + ring.stage * STAGE_BYTES + A_BYTES;
     if constexpr (MODE == kFp8) {
       float part[BN / 2];
       hopper::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_e4m3<BN>(part, desc(a + 256 * s), desc(b + 256 * s), s);
+      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_e4m3<BN>(part, desc_sw128(a + 32 * s), desc_sw128(b + 32 * s), s);
       hopper::wgmma_commit();
       hopper::wgmma_wait<0>();
       if (leader) hopper::mbar_arrive(&empty[ring.stage]);
@@ -280,7 +275,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
     } else {
       hopper::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_f16<BN>(acc, desc(a + 256 * s), desc(b + 256 * s), 1);
+      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_f16<BN>(acc, desc_sw128(a + 32 * s), desc(b + 256 * s), 1);
       hopper::wgmma_commit();
       hopper::wgmma_wait<1>();   // the previous k-tile's group is done: its stage is free
       if (prev >= 0 && leader) hopper::mbar_arrive(&empty[prev]);
@@ -383,7 +378,7 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
   uint64_t* empty = full + STAGES;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      hopper::mbar_init(&full[s], MODE == kFp8 ? 128 : 256);
+      hopper::mbar_init(&full[s], MODE == kFp8 ? 1 : 129);   // TMA thread's expect_tx (+ 128 dequant arrivals)
       hopper::mbar_init(&empty[s], 8);   // one arrival per consumer warp
     }
     hopper::fence_mbarrier_init();
@@ -413,21 +408,24 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
 // ws fp32 / counters int32 (zero): split-K (gridDim.z > 1) only. Grid (ceil(T/128), ceil(N/BN), S).
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
-                 const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters) {
-  pw::gemm_body<pw::kInt4>(pw::Problem{x, qw, scales, nullptr, bias, residual, y, T, N, K}, ws, counters);
+                 const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters,
+                 const hopper::TensorMap* xmap) {
+  pw::gemm_body<pw::kInt4>(pw::Problem{x, qw, scales, nullptr, bias, residual, y, T, N, K, xmap, nullptr}, ws, counters);
 }
 
 // SwiGLU: qw / scales of gate_up [2I, K]; act fp16 [T, I]; I % 8 == 0. Grid (ceil(T/128), ceil(I/(BN/2)), S).
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma_swiglu(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
-                        half* act, int T, int N2, int K, float* ws, int* counters) {
-  pw::gemm_body<pw::kSwiglu>(pw::Problem{x, qw, scales, nullptr, nullptr, nullptr, act, T, N2, K}, ws, counters);
+                        half* act, int T, int N2, int K, float* ws, int* counters, const hopper::TensorMap* xmap) {
+  pw::gemm_body<pw::kSwiglu>(pw::Problem{x, qw, scales, nullptr, nullptr, nullptr, act, T, N2, K, xmap, nullptr}, ws,
+                             counters);
 }
 
 // FP8: xq uint8 [T, K], ts fp32 [T], codes uint8 [N, K], scales fp32 [N]; N % 8 == 0, K % 128 == 0.
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma_fp8(const unsigned char* __restrict__ xq, const float* __restrict__ ts,
                      const unsigned char* __restrict__ codes, const float* __restrict__ scales, const half* bias,
-                     const half* residual, half* y, int T, int N, int K, float* ws, int* counters) {
-  pw::gemm_body<pw::kFp8>(pw::Problem{xq, codes, scales, ts, bias, residual, y, T, N, K}, ws, counters);
+                     const half* residual, half* y, int T, int N, int K, float* ws, int* counters,
+                     const hopper::TensorMap* xmap, const hopper::TensorMap* wmap) {
+  pw::gemm_body<pw::kFp8>(pw::Problem{xq, codes, scales, ts, bias, residual, y, T, N, K, xmap, wmap}, ws, counters);
 }
