@@ -90,8 +90,11 @@ constexpr int BK16 = ROW / 2;                // k per stage, fp16 operands (64; 
 constexpr int STAGES = NQ_PW_STAGES;
 constexpr int THREADS = NQ_PW_THREADS;
 constexpr int RPT = (BN + 127) / 128;        // weight rows per producer thread
-constexpr int PF = NQ_PW_PREFETCH / RPT > 0 ? NQ_PW_PREFETCH / RPT : 1;   // register ring depth
-constexpr int A_BYTES = BM * ROW, B_BYTES = BN * ROW, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int PF = NQ_PW_PREFETCH;           // scale register ring depth (k-tiles ahead)
+// A stage: A (X, BM rows of 128 bytes, 128B swizzle), B (BN operand rows of 128 bytes), R (INT4:
+// the packed words of the BN weight rows, 32 bytes each, padded to 1 KiB; unused by FP8).
+constexpr int A_BYTES = BM * ROW, B_BYTES = BN * ROW, R_BYTES = (BN * 32 + 1023) / 1024 * 1024;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES + R_BYTES;
 constexpr uint32_t LBO = 128, SBO = 1024;
 static_assert(BM == 128 && THREADS == 384, "1 producer + 2 consumer warpgroups, 64 tokens each");
 static_assert(ROW == 128, "a stage row is 8 chunks of 16 bytes (the core-matrix layout above)");
@@ -116,6 +119,11 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
 }
 __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+  return v;
 }
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
@@ -146,20 +154,21 @@ struct Problem {
   half* y;                    // [T, N]; SwiGLU: act [T, N/2]
   int T, N, K;                // N: rows of W (SwiGLU: 2 I)
   const hopper::TensorMap* xmap;   // X (or xq) [T, K]: box {BM rows, 128 bytes}, 128B swizzle
-  const hopper::TensorMap* wmap;   // FP8 codes [N, K]: box {BN rows, 128 bytes}, 128B swizzle; else null
+  const hopper::TensorMap* wmap;   // FP8 codes [N, K]: box {BN rows, 128 bytes}, 128B swizzle; INT4 words
+                                   // uint32 [N, K/8]: box {BN (SwiGLU: BN/2) rows, 8 words}, no swizzle
 };
 
 // ---- producer ------------------------------------------------------------------------------
 template <int MODE>
 __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
-                                         int m0, int n0, int kt0, int nkt) {
+                                         uint64_t* raw, int m0, int n0, int kt0, int nkt) {
   const int tid = threadIdx.x;   // 0..127
   const uint32_t base = hopper::smem_u32(smem);
   hopper::MbarRing<STAGES> ring;
   // Thread 0 issues the TMA copies: X's box (BM rows from m0, 128 bytes of k), zero-filled past T.
   if (tid == 0) {
     hopper::prefetch_tensor_map(p.xmap);
-    if constexpr (MODE == kFp8) hopper::prefetch_tensor_map(p.wmap);
+    hopper::prefetch_tensor_map(p.wmap);
   }
   if constexpr (MODE == kFp8) {
     if (tid != 0) return;
@@ -167,17 +176,18 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
       unsigned char* st = smem + ring.stage * STAGE_BYTES;
       const int kc = (kt0 + kk) * ROW;   // E4M3: bytes = elements
-      hopper::mbar_arrive_expect_tx(&full[ring.stage], STAGE_BYTES);
+      hopper::mbar_arrive_expect_tx(&full[ring.stage], A_BYTES + B_BYTES);
       hopper::tensor_copy_2d_g2s(st, p.xmap, kc, m0, &full[ring.stage]);
       hopper::tensor_copy_2d_g2s(st + A_BYTES, p.wmap, kc, n0, &full[ring.stage]);
       ring.advance();
     }
   } else {
     // Weight row b of the B tile: W row n0 + b, or for SwiGLU (n0 = the feature offset) gate
-    // row n0 + b (b < BN/2) and up row I + n0 + b - BN/2.
+    // row n0 + b (b < BN/2) and up row I + n0 + b - BN/2. The packed words come by TMA into
+    // the stage's raw area (row b's 32 bytes at R + 32 b; rows past the tensor zero-filled),
+    // STAGES - 1 k-tiles ahead; the scales by __ldg, PF k-tiles ahead, in registers.
     const int I = p.N / 2, G = p.K / NQ_GROUP_SIZE;
-    const uint4* wrow[RPT];
-    const half* srow[RPT];
+    const unsigned short* srow[RPT];
     bool wok[RPT];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
@@ -192,26 +202,33 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
         wok[r] = b < BN && n < p.N;
       }
       n = wok[r] ? n : 0;
-      wrow[r] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.w) + (size_t)n * (p.K / 8));
-      srow[r] = static_cast<const half*>(p.scales) + (size_t)n * G;
+      srow[r] = reinterpret_cast<const unsigned short*>(static_cast<const half*>(p.scales) + (size_t)n * G);
     }
-    uint4 wa[PF][RPT], wb[PF][RPT];
     uint32_t sc[PF][RPT];
     auto load = [&](int d, int kt) {   // d: a compile-time constant at every call (unrolled)
 #pragma unroll
-      for (int r = 0; r < RPT; ++r) {
-        if (wok[r]) {
-          wa[d][r] = __ldg(wrow[r] + 2 * kt);
-          wb[d][r] = __ldg(wrow[r] + 2 * kt + 1);
-          const unsigned short s = __ldg(reinterpret_cast<const unsigned short*>(srow[r]) + (kt * BK16) / NQ_GROUP_SIZE);
-          sc[d][r] = (uint32_t)s * 0x10001u;
-        } else {
-          wa[d][r] = make_uint4(0, 0, 0, 0);
-          wb[d][r] = make_uint4(0, 0, 0, 0);
-          sc[d][r] = 0;
-        }
-      }
+      for (int r = 0; r < RPT; ++r)
+        sc[d][r] = wok[r] ? (uint32_t)__ldg(srow[r] + (kt * BK16) / NQ_GROUP_SIZE) * 0x10001u : 0u;
     };
+    // Thread 0: the TMA copies of k-tile kk (X into A, the packed W into R) once its stage is empty.
+    hopper::MbarRing<STAGES> tma;
+    auto issue = [&](int kk) {
+      hopper::mbar_wait(&empty[tma.stage], tma.phase ^ 1u);
+      unsigned char* st = smem + tma.stage * STAGE_BYTES;
+      hopper::mbar_arrive_expect_tx(&full[tma.stage], A_BYTES);
+      hopper::tensor_copy_2d_g2s(st, p.xmap, (kt0 + kk) * BK16, m0, &full[tma.stage]);
+      hopper::mbar_arrive_expect_tx(&raw[tma.stage], BN * 32);
+      const int kw = (kt0 + kk) * (BK16 / 8);   // uint32 words of k
+      if constexpr (MODE == kSwiglu) {
+        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES, p.wmap, kw, n0, &raw[tma.stage]);
+        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES + (BN / 2) * 32, p.wmap, kw, I + n0, &raw[tma.stage]);
+      } else {
+        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES, p.wmap, kw, n0, &raw[tma.stage]);
+      }
+      tma.advance();
+    };
+    if (tid == 0)
+      for (int kk = 0; kk < STAGES - 1 && kk < nkt; ++kk) issue(kk);
 #pragma unroll
     for (int d = 0; d < PF; ++d)
       if (d < nkt) load(d, kt0 + d);
@@ -220,30 +237,30 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       for (int d = 0; d < PF; ++d) {
         const int kk = kb + d;
         if (kk >= nkt) break;
-        hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
+        // raw[kk] complete: its stage was empty (thread 0 waited before the copies) and W landed.
+        hopper::mbar_wait(&raw[ring.stage], ring.phase);
         const uint32_t st = base + ring.stage * STAGE_BYTES;
-        if (tid == 0) {
-          hopper::mbar_arrive_expect_tx(&full[ring.stage], A_BYTES);
-          hopper::tensor_copy_2d_g2s(smem + ring.stage * STAGE_BYTES, p.xmap, (kt0 + kk) * BK16, m0, &full[ring.stage]);
-        }
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
           const int b = tid + 128 * r;
           if (b < BN) {
+            const uint4 wa = lds128(st + A_BYTES + B_BYTES + 32 * b), wb = lds128(st + A_BYTES + B_BYTES + 32 * b + 16);
             const uint32_t dst = st + A_BYTES + core_off(b, 0);
-            store_dequant(dst + 0 * 128, wa[d][r].x, sc[d][r]);
-            store_dequant(dst + 1 * 128, wa[d][r].y, sc[d][r]);
-            store_dequant(dst + 2 * 128, wa[d][r].z, sc[d][r]);
-            store_dequant(dst + 3 * 128, wa[d][r].w, sc[d][r]);
-            store_dequant(dst + 4 * 128, wb[d][r].x, sc[d][r]);
-            store_dequant(dst + 5 * 128, wb[d][r].y, sc[d][r]);
-            store_dequant(dst + 6 * 128, wb[d][r].z, sc[d][r]);
-            store_dequant(dst + 7 * 128, wb[d][r].w, sc[d][r]);
+            store_dequant(dst + 0 * 128, wa.x, sc[d][r]);
+            store_dequant(dst + 1 * 128, wa.y, sc[d][r]);
+            store_dequant(dst + 2 * 128, wa.z, sc[d][r]);
+            store_dequant(dst + 3 * 128, wa.w, sc[d][r]);
+            store_dequant(dst + 4 * 128, wb.x, sc[d][r]);
+            store_dequant(dst + 5 * 128, wb.y, sc[d][r]);
+            store_dequant(dst + 6 * 128, wb.z, sc[d][r]);
+            store_dequant(dst + 7 * 128, wb.w, sc[d][r]);
           }
         }
         hopper::fence_proxy_async_smem();
         hopper::mbar_arrive(&full[ring.stage]);
         if (kk + PF < nkt) load(d, kt0 + kk + PF);
+        // The consumers release stage kk-1 once k-tile kk is issued: its copies (k-tile kk+STAGES-1) go next.
+        if (tid == 0 && kk + STAGES - 1 < nkt) issue(kk + STAGES - 1);
         ring.advance();
       }
     }
@@ -369,17 +386,19 @@ __device__ __forceinline__ void epilogue(const Problem& p, const float (&acc)[BN
   }
 }
 
-// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + the barriers.
+// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + the 3 STAGES barriers.
 template <int MODE>
 __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* counters) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (hopper::smem_u32(smem_raw) & 1023u)) & 1023u);   // 1024-aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
   uint64_t* empty = full + STAGES;
+  uint64_t* raw = empty + STAGES;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       hopper::mbar_init(&full[s], MODE == kFp8 ? 1 : 129);   // TMA thread's expect_tx (+ 128 dequant arrivals)
       hopper::mbar_init(&empty[s], 8);   // one arrival per consumer warp
+      hopper::mbar_init(&raw[s], 1);     // INT4: thread 0's expect_tx for the packed W
     }
     hopper::fence_mbarrier_init();
   }
@@ -391,7 +410,7 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     hopper::setmaxnreg_dec<NQ_PW_PRODUCER_REGS>();
-    producer<MODE>(p, smem, full, empty, m0, n0, kt0, nkt);
+    producer<MODE>(p, smem, full, empty, raw, m0, n0, kt0, nkt);
   } else {
     hopper::setmaxnreg_inc<NQ_PW_CONSUMER_REGS>();
     float acc[BN / 2];
@@ -409,15 +428,16 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
                  const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters,
-                 const hopper::TensorMap* xmap) {
-  pw::gemm_body<pw::kInt4>(pw::Problem{x, qw, scales, nullptr, bias, residual, y, T, N, K, xmap, nullptr}, ws, counters);
+                 const hopper::TensorMap* xmap, const hopper::TensorMap* wmap) {
+  pw::gemm_body<pw::kInt4>(pw::Problem{x, qw, scales, nullptr, bias, residual, y, T, N, K, xmap, wmap}, ws, counters);
 }
 
 // SwiGLU: qw / scales of gate_up [2I, K]; act fp16 [T, I]; I % 8 == 0. Grid (ceil(T/128), ceil(I/(BN/2)), S).
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma_swiglu(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
-                        half* act, int T, int N2, int K, float* ws, int* counters, const hopper::TensorMap* xmap) {
-  pw::gemm_body<pw::kSwiglu>(pw::Problem{x, qw, scales, nullptr, nullptr, nullptr, act, T, N2, K, xmap, nullptr}, ws,
+                        half* act, int T, int N2, int K, float* ws, int* counters, const hopper::TensorMap* xmap,
+                        const hopper::TensorMap* wmap) {
+  pw::gemm_body<pw::kSwiglu>(pw::Problem{x, qw, scales, nullptr, nullptr, nullptr, act, T, N2, K, xmap, wmap}, ws,
                              counters);
 }
 
