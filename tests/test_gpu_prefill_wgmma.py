@@ -132,7 +132,8 @@ def test_wgmma_int4_tiny(rng, proj, t):
     n, k = SHAPES_TINY[proj]
     x, words, scales, *_ = run_int4(rng, t, n, k, configs=configs_for(t, n, k), **VARIANT[proj])
     if proj == "gate_up":
-        check_swiglu(rng, x, words, scales, [{}, dict(bn=112, split=1), dict(bn=144, split=2)])
+        # split 2 of bn 144 at T = 2048 would need 2 x 544 tiles of partials: over the workspace
+        check_swiglu(rng, x, words, scales, [{}, dict(bn=112, split=1), dict(bn=144, split=2 if t <= 512 else 1)])
 
 
 @pytest.mark.parametrize("t,n,k", [(3, 8, 128), (130, 136, 384), (257, 264, 256)])

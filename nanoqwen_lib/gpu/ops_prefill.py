@@ -65,6 +65,8 @@ WGMMA_STAGES = _PWT["NQ_PW_STAGES"]
 WGMMA_BN = _PWT["NQ_PW_BN"]
 WGMMA_BN_CHOICES = (112, 128, 144, 256)   # the builds (the file's nq-variants line + the default)
 WGMMA_FILL_KTILES = 4                # prologue + epilogue of a CTA in k-tile times (plan_wgmma's wave model)
+WGMMA_SPLIT_MAX = 4                  # split-K slices the plan considers (measured up to 4; the model ignores the reduction)
+WGMMA_KTILE_OVERHEAD = 128           # a k-tile costs bn + this (the v3 H200 fit: bn 256 / bn 128 = 1.32x)
 GEMM_KERNELS = ("wgmma", "mma")
 DEFAULT_GEMM_KERNEL = "mma"          # gemm_int4's kernel when none is named: "wgmma" once its GPU tests pass
 _PA = load().geometry["prefill_attention"]
@@ -259,7 +261,8 @@ def wgmma_smem_bytes(bn: int, stages: int | None = None) -> int:
 def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_CHOICES) -> tuple[int, int]:
     """(bn, split) for a [t, k] x [n, k]^T GEMM on the wgmma kernel (n: output features; for
     the fused gate_up SwiGLU the 2 I weight rows). Wave model: a CTA's k-tile costs time in
-    proportion to bn (the tensor cores are the bottleneck); rounds of ceil(ctas / SMs) waves
+    proportion to bn + WGMMA_KTILE_OVERHEAD (tensor-core time plus a per-k-tile cost, fit to
+    the H200: nanoqwen.yaml lists the picks at T = 512); rounds of ceil(ctas / SMs) waves
     times (k-tiles per slice + WGMMA_FILL_KTILES); split-K only where a slice keeps
     SPLIT_MIN_KTILES k-tiles and the partials fit the workspace. Ties go to the larger bn
     (fewer re-reads of X), then to no split."""
@@ -267,11 +270,11 @@ def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_
     best = None
     for bn in bns:
         tiles = -(-t // WGMMA_BM) * -(-n // bn)
-        for s in range(1, SPLIT_MAX + 1):
+        for s in range(1, WGMMA_SPLIT_MAX + 1):
             if s > 1 and (ktiles // s < SPLIT_MIN_KTILES or s * tiles * WGMMA_BM * bn > WS_FLOATS
                           or tiles > WS_COUNTERS):
                 continue
-            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES) * bn
+            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES) * (bn + WGMMA_KTILE_OVERHEAD)
             key = (cost, -bn, s)
             if best is None or key < best[0]:
                 best = (key, bn, s)
