@@ -16,29 +16,29 @@
 // CTA: 3 warpgroups (384 threads). Warpgroup 0 is the producer, 1 and 2 the consumers; each
 // consumer owns 64 of the BM = 128 tokens of the tile and all BN features (wgmma m64nBNk16,
 // accumulators in registers: BN / 2 floats per thread). The k dimension goes through a ring of
-// NQ_PW_STAGES shared-memory stages on mbarriers: `full` (producer -> consumers: 128 cp.async
-// arrivals + 128 plain arrivals after the dequantized stores, or 128 cp.async arrivals for FP8)
-// and `empty` (consumers -> producer: one arrival per consumer warp after its wgmma group that
-// read the stage has completed).
+// NQ_PW_STAGES shared-memory stages on mbarriers: `full` (producer -> consumers: the TMA
+// thread's arrive.expect_tx for X (+ FP8's codes) and, INT4, 128 plain arrivals after the
+// dequantized stores), `raw` (INT4: TMA -> the producer: the packed W words landed) and `empty`
+// (consumers -> producer: one arrival per consumer warp after its wgmma group that read the
+// stage has completed).
 //
-// Shared-memory layout of a stage (no swizzle; lab/wgmma_fp8.cu's descriptor, proven on the
-// H200): each operand row holds 128 bytes of k (BK = 64 halves, or 128 E4M3 codes); a core
-// matrix is 8 rows x 16 bytes stored as 128 contiguous bytes, element (r, byte b) at
-//     ((r / 8) * 8 + b / 16) * 128 + (r % 8) * 16 + b % 16,
-// so LBO (the next core matrix along k) = 128 bytes, SBO (the next 8 rows) = 1024 bytes, and the
-// k-step s of a stage (16 halves or 32 codes = 32 bytes) starts at byte 256 s. Copies and stores
-// of 16-byte chunks: the 8 lanes of a quarter-warp take rows 8q .. 8q+7 of one chunk column, i.e.
-// one core matrix, 128 contiguous bytes: conflict-free.
+// Stage layout (1024-byte aligned): A = X (or xq), BM rows of 128 bytes of k, written by TMA
+// with CU_TENSOR_MAP_SWIZZLE_128B (row r at 128 r, 16-byte chunk c at (c ^ r % 8) * 16;
+// descriptor layout 128B, SBO 1024, k-step s at +32 s). B: FP8 codes, the same (TMA, 128B
+// swizzle); INT4: the dequantized fp16 W in the non-swizzled core-matrix layout (lab/
+// wgmma_fp8.cu's descriptor): element (r, byte b) at ((r / 8) * 8 + b / 16) * 128 + (r % 8) * 16
+// + b % 16, LBO 128, SBO 1024, k-step s at +256 s; the 8 lanes of a quarter-warp store one core
+// matrix, 128 contiguous bytes: conflict-free. R (INT4): the packed words of the BN weight rows,
+// 32 bytes each (one k-tile of 64), written by TMA without swizzle.
 //
 // Producer (128 threads, registers lowered by setmaxnreg.dec):
-//   X (or xq): cp.async 16-byte chunks, zero-filled past T, then cp.async.mbarrier.arrive.noinc
-//     on `full` (the arrival fires when this thread's copies have landed).
-//   W (INT4): thread p owns weight rows p (and p + 128 when BN > 128). Its two 16-byte words of
-//     the k-tile (8 ValueShuffle words = 64 k) and its scale are loaded NQ_PW_PREFETCH k-tiles
-//     ahead into registers (a ring indexed by compile-time constants), dequantized (one word ->
-//     8 consecutive k as fp16 = one 16-byte core-matrix row) and stored, then
-//     fence.proxy.async.shared::cta (the wgmma reads through the async proxy) and a plain arrive.
-//   W (FP8): cp.async like X.
+//   Thread 0 issues the TMA copies of k-tile kk + STAGES - 1 once its stage is empty (tensor
+//   maps in global memory, nanoqwen_lib/gpu/tensor_map.py; rows past T or N are zero-filled).
+//   FP8: that is all. INT4: thread p owns weight rows p (and p + 128 when BN > 128); it waits
+//   `raw`, reads its row's 32 bytes back (2 x ld.shared.v4), dequantizes each word (8
+//   consecutive k) with the scale (loaded NQ_PW_PREFETCH k-tiles ahead into a register ring)
+//   into one 16-byte core-matrix row, then fence.proxy.async.shared::cta (the wgmma and the
+//   next TMA into the stage go through the async proxy) and a plain arrive on `full`.
 // Consumers (registers raised by setmaxnreg.inc): wait `full`, 4 wgmmas (one k-tile), commit;
 // wait until one group is pending, i.e. the previous k-tile's group is done, and release its
 // stage. FP8: the tensor core's accumulator keeps fewer bits than FP32 (lab/wgmma_fp8.cu), so each
@@ -425,6 +425,8 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
 
 // INT4: x fp16 [T, K]; qw uint32 [N, K/8]; scales fp16 [N, K/128]; N % 8 == 0, K % 128 == 0.
 // ws fp32 / counters int32 (zero): split-K (gridDim.z > 1) only. Grid (ceil(T/128), ceil(N/BN), S).
+// xmap / wmap: device tensor maps (ops_prefill.xmap: X boxes of 128 rows x 64 halves, 128B swizzle;
+// ops_prefill.wmap_int4: qw boxes of BN rows (SwiGLU: BN/2) x 8 words, no swizzle).
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
                  const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters,
