@@ -32,7 +32,7 @@
 // 32 bytes each (one k-tile of 64), written by TMA without swizzle.
 //
 // Producer (128 threads, registers lowered by setmaxnreg.dec):
-//   Thread 0 issues the TMA copies of k-tile kk + STAGES - 1 once its stage is empty (tensor
+//   Thread 0 issues the TMA copies of each k-tile as soon as its stage is empty (tensor
 //   maps in global memory, nanoqwen_lib/gpu/tensor_map.py; rows past T or N are zero-filled).
 //   FP8: that is all. INT4: thread p owns weight rows p (and p + 128 when BN > 128); it waits
 //   `raw`, reads its row's 32 bytes back (2 x ld.shared.v4), dequantizes each word (8
@@ -120,6 +120,13 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
 __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
+// Non-blocking: has the phase of `bar` with this parity completed?
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+               : "=r"(ok) : "r"(hopper::smem_u32(bar)), "r"(parity) : "memory");
+  return ok != 0;
+}
 __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
@@ -185,7 +192,7 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
     // Weight row b of the B tile: W row n0 + b, or for SwiGLU (n0 = the feature offset) gate
     // row n0 + b (b < BN/2) and up row I + n0 + b - BN/2. The packed words come by TMA into
     // the stage's raw area (row b's 32 bytes at R + 32 b; rows past the tensor zero-filled),
-    // STAGES - 1 k-tiles ahead; the scales by __ldg, PF k-tiles ahead, in registers.
+    // up to STAGES k-tiles ahead; the scales by __ldg, PF k-tiles ahead, in registers.
     const int I = p.N / 2, G = p.K / NQ_GROUP_SIZE;
     const unsigned short* srow[RPT];
     bool wok[RPT];
@@ -210,7 +217,8 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       for (int r = 0; r < RPT; ++r)
         sc[d][r] = wok[r] ? (uint32_t)__ldg(srow[r] + (kt * BK16) / NQ_GROUP_SIZE) * 0x10001u : 0u;
     };
-    // Thread 0: the TMA copies of k-tile kk (X into A, the packed W into R) once its stage is empty.
+    // Thread 0: the TMA copies of k-tile kk (X into A, the packed W into R) once its stage is empty
+    // (k-tiles in order: the ring `tma` follows them).
     hopper::MbarRing<STAGES> tma;
     auto issue = [&](int kk) {
       hopper::mbar_wait(&empty[tma.stage], tma.phase ^ 1u);
@@ -227,8 +235,15 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       }
       tma.advance();
     };
-    if (tid == 0)
-      for (int kk = 0; kk < STAGES - 1 && kk < nkt; ++kk) issue(kk);
+    // Thread 0 keeps as many k-tiles in flight as there are empty stages, without blocking
+    // (a blocked lane 0 would hold warp 0's dequantization): after each arrival it issues the
+    // copies whose stage the consumers have released; it blocks only when the k-tile it is about
+    // to dequantize has not been issued yet (that stage's release needs nothing from warp 0).
+    int issued = 0;
+    auto issue_ready = [&]() {
+      while (issued < nkt && mbar_test(&empty[tma.stage], tma.phase ^ 1u)) issue(issued++);
+    };
+    if (tid == 0) issue_ready();   // every stage is empty: min(STAGES, nkt) k-tiles
 #pragma unroll
     for (int d = 0; d < PF; ++d)
       if (d < nkt) load(d, kt0 + d);
@@ -237,6 +252,8 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       for (int d = 0; d < PF; ++d) {
         const int kk = kb + d;
         if (kk >= nkt) break;
+        if (tid == 0)
+          while (issued <= kk) issue(issued++);
         // raw[kk] complete: its stage was empty (thread 0 waited before the copies) and W landed.
         hopper::mbar_wait(&raw[ring.stage], ring.phase);
         const uint32_t st = base + ring.stage * STAGE_BYTES;
@@ -259,8 +276,7 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
         hopper::fence_proxy_async_smem();
         hopper::mbar_arrive(&full[ring.stage]);
         if (kk + PF < nkt) load(d, kt0 + kk + PF);
-        // The consumers release stage kk-1 once k-tile kk is issued: its copies (k-tile kk+STAGES-1) go next.
-        if (tid == 0 && kk + STAGES - 1 < nkt) issue(kk + STAGES - 1);
+        if (tid == 0) issue_ready();
         ring.advance();
       }
     }
