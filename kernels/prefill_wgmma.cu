@@ -16,29 +16,29 @@
 // CTA: 3 warpgroups (384 threads). Warpgroup 0 is the producer, 1 and 2 the consumers; each
 // consumer owns 64 of the BM = 128 tokens of the tile and all BN features (wgmma m64nBNk16,
 // accumulators in registers: BN / 2 floats per thread). The k dimension goes through a ring of
-// NQ_PW_STAGES shared-memory stages on mbarriers: `full` (producer -> consumers: 128 cp.async
-// arrivals + 128 plain arrivals after the dequantized stores, or 128 cp.async arrivals for FP8)
-// and `empty` (consumers -> producer: one arrival per consumer warp after its wgmma group that
-// read the stage has completed).
+// NQ_PW_STAGES shared-memory stages on mbarriers: `full` (producer -> consumers: the TMA
+// thread's arrive.expect_tx for X (+ FP8's codes) and, INT4, 128 plain arrivals after the
+// dequantized stores), `raw` (INT4: TMA -> the producer: the packed W words landed) and `empty`
+// (consumers -> producer: one arrival per consumer warp after its wgmma group that read the
+// stage has completed).
 //
-// Shared-memory layout of a stage (no swizzle; lab/wgmma_fp8.cu's descriptor, proven on the
-// H200): each operand row holds 128 bytes of k (BK = 64 halves, or 128 E4M3 codes); a core
-// matrix is 8 rows x 16 bytes stored as 128 contiguous bytes, element (r, byte b) at
-//     ((r / 8) * 8 + b / 16) * 128 + (r % 8) * 16 + b % 16,
-// so LBO (the next core matrix along k) = 128 bytes, SBO (the next 8 rows) = 1024 bytes, and the
-// k-step s of a stage (16 halves or 32 codes = 32 bytes) starts at byte 256 s. Copies and stores
-// of 16-byte chunks: the 8 lanes of a quarter-warp take rows 8q .. 8q+7 of one chunk column, i.e.
-// one core matrix, 128 contiguous bytes: conflict-free.
+// Stage layout (1024-byte aligned): A = X (or xq), BM rows of 128 bytes of k, written by TMA
+// with CU_TENSOR_MAP_SWIZZLE_128B (row r at 128 r, 16-byte chunk c at (c ^ r % 8) * 16;
+// descriptor layout 128B, SBO 1024, k-step s at +32 s). B: FP8 codes, the same (TMA, 128B
+// swizzle); INT4: the dequantized fp16 W in the non-swizzled core-matrix layout (lab/
+// wgmma_fp8.cu's descriptor): element (r, byte b) at ((r / 8) * 8 + b / 16) * 128 + (r % 8) * 16
+// + b % 16, LBO 128, SBO 1024, k-step s at +256 s; the 8 lanes of a quarter-warp store one core
+// matrix, 128 contiguous bytes: conflict-free. R (INT4): the packed words of the BN weight rows,
+// 32 bytes each (one k-tile of 64), written by TMA without swizzle.
 //
 // Producer (128 threads, registers lowered by setmaxnreg.dec):
-//   X (or xq): cp.async 16-byte chunks, zero-filled past T, then cp.async.mbarrier.arrive.noinc
-//     on `full` (the arrival fires when this thread's copies have landed).
-//   W (INT4): thread p owns weight rows p (and p + 128 when BN > 128). Its two 16-byte words of
-//     the k-tile (8 ValueShuffle words = 64 k) and its scale are loaded NQ_PW_PREFETCH k-tiles
-//     ahead into registers (a ring indexed by compile-time constants), dequantized (one word ->
-//     8 consecutive k as fp16 = one 16-byte core-matrix row) and stored, then
-//     fence.proxy.async.shared::cta (the wgmma reads through the async proxy) and a plain arrive.
-//   W (FP8): cp.async like X.
+//   Thread 0 issues the TMA copies of each k-tile as soon as its stage is empty (tensor
+//   maps in global memory, nanoqwen_lib/gpu/tensor_map.py; rows past T or N are zero-filled).
+//   FP8: that is all. INT4: thread p owns weight rows p (and p + 128 when BN > 128); it waits
+//   `raw`, reads its row's 32 bytes back (2 x ld.shared.v4), dequantizes each word (8
+//   consecutive k) with the scale (loaded NQ_PW_PREFETCH k-tiles ahead into a register ring)
+//   into one 16-byte core-matrix row, then fence.proxy.async.shared::cta (the wgmma and the
+//   next TMA into the stage go through the async proxy) and a plain arrive on `full`.
 // Consumers (registers raised by setmaxnreg.inc): wait `full`, 4 wgmmas (one k-tile), commit;
 // wait until one group is pending, i.e. the previous k-tile's group is done, and release its
 // stage. FP8: the tensor core's accumulator keeps fewer bits than FP32 (lab/wgmma_fp8.cu), so each
@@ -90,27 +90,47 @@ constexpr int BK16 = ROW / 2;                // k per stage, fp16 operands (64; 
 constexpr int STAGES = NQ_PW_STAGES;
 constexpr int THREADS = NQ_PW_THREADS;
 constexpr int RPT = (BN + 127) / 128;        // weight rows per producer thread
-constexpr int PF = NQ_PW_PREFETCH / RPT > 0 ? NQ_PW_PREFETCH / RPT : 1;   // register ring depth
-constexpr int A_BYTES = BM * ROW, B_BYTES = BN * ROW, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int PF = NQ_PW_PREFETCH;           // scale register ring depth (k-tiles ahead)
+// A stage: A (X, BM rows of 128 bytes, 128B swizzle), B (BN operand rows of 128 bytes), R (INT4:
+// the packed words of the BN weight rows, 32 bytes each, padded to 1 KiB; unused by FP8).
+constexpr int A_BYTES = BM * ROW, B_BYTES = BN * ROW, R_BYTES = (BN * 32 + 1023) / 1024 * 1024;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES + R_BYTES;
 constexpr uint32_t LBO = 128, SBO = 1024;
 static_assert(BM == 128 && THREADS == 384, "1 producer + 2 consumer warpgroups, 64 tokens each");
 static_assert(ROW == 128, "a stage row is 8 chunks of 16 bytes (the core-matrix layout above)");
 static_assert(BN % 16 == 0 && BN >= 64 && BN <= 256, "BN: a multiple of 16 in 64..256 (wgmma N, SwiGLU halves)");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
-static_assert(STAGE_BYTES % 1024 == 0, "stages keep 1024-byte alignment");
+static_assert(STAGE_BYTES % 1024 == 0 && A_BYTES % 1024 == 0, "stages and tiles keep 1024-byte alignment (128B swizzle)");
+static_assert(BM <= 256 && BN <= 256, "a TMA box dimension holds at most 256 rows");
 static_assert(NQ_PW_PRODUCER_REGS * 128 + NQ_PW_CONSUMER_REGS * 256 <= 65536, "register file: 64K");
 
 enum Mode { kInt4 = 0, kSwiglu = 1, kFp8 = 2 };
 
 __device__ __forceinline__ uint32_t core_off(int r, int chunk) { return ((r >> 3) * 8 + chunk) * 128 + (r & 7) * 16; }
+// The dequantized INT4 B tile: no swizzle, core matrices (LBO 128, SBO 1024); k-step s at +256 s.
 __device__ __forceinline__ uint64_t desc(uint32_t saddr) {
   return (uint64_t)((saddr >> 4) & 0x3FFF) | ((uint64_t)(LBO >> 4) << 16) | ((uint64_t)(SBO >> 4) << 32);
 }
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(hopper::smem_u32(bar)) : "memory");
+// A tile written by TMA with CU_TENSOR_MAP_SWIZZLE_128B: row r at 128 r, its 16-byte chunk c at
+// ((c ^ (r % 8)) * 16); descriptor layout 1 (128B swizzle) in bits 62-63, SBO = 1024 (8 rows),
+// LBO unused (1); the tile base 1024-aligned; k-step s (32 bytes of k) starts at +32 s.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
+  return (uint64_t)((saddr >> 4) & 0x3FFF) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+// Non-blocking: has the phase of `bar` with this parity completed?
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+               : "=r"(ok) : "r"(hopper::smem_u32(bar)), "r"(parity) : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+  return v;
 }
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
@@ -140,49 +160,41 @@ struct Problem {
   const half* residual;       // [T, N] or null (may alias y)
   half* y;                    // [T, N]; SwiGLU: act [T, N/2]
   int T, N, K;                // N: rows of W (SwiGLU: 2 I)
+  const hopper::TensorMap* xmap;   // X (or xq) [T, K]: box {BM rows, 128 bytes}, 128B swizzle
+  const hopper::TensorMap* wmap;   // FP8 codes [N, K]: box {BN rows, 128 bytes}, 128B swizzle; INT4 words
+                                   // uint32 [N, K/8]: box {BN (SwiGLU: BN/2) rows, 8 words}, no swizzle
 };
 
 // ---- producer ------------------------------------------------------------------------------
-// Operand rows [0, R) of a stage by cp.async: thread p copies chunk column (p/8)%8 of rows
-// (p%8) + 8(p/64) + 16 i; rows at or past `valid_rows` are zero-filled.
-template <int R>
-__device__ __forceinline__ void copy_rows(uint32_t dst, const unsigned char* src, size_t ld_bytes, int valid_rows,
-                                          int p) {
-  const int chunk = (p >> 3) & 7, r0 = (p & 7) + 8 * (p >> 6);
-#pragma unroll
-  for (int i = 0; i < R / 16; ++i) {
-    const int r = r0 + 16 * i;
-    const bool ok = r < valid_rows;
-    hopper::cp_async16(dst + core_off(r, chunk), src + (ok ? (size_t)r * ld_bytes : 0) + chunk * 16, ok);
-  }
-}
-
 template <int MODE>
 __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
-                                         int m0, int n0, int kt0, int nkt) {
+                                         uint64_t* raw, int m0, int n0, int kt0, int nkt) {
   const int tid = threadIdx.x;   // 0..127
   const uint32_t base = hopper::smem_u32(smem);
-  const size_t ldx = MODE == kFp8 ? (size_t)p.K : (size_t)p.K * 2;
-  const unsigned char* xsrc = static_cast<const unsigned char*>(p.x) + (size_t)m0 * ldx;
-  const int xvalid = p.T - m0;
   hopper::MbarRing<STAGES> ring;
+  // Thread 0 issues the TMA copies: X's box (BM rows from m0, 128 bytes of k), zero-filled past T.
+  if (tid == 0) {
+    hopper::prefetch_tensor_map(p.xmap);
+    hopper::prefetch_tensor_map(p.wmap);
+  }
   if constexpr (MODE == kFp8) {
-    const unsigned char* wsrc = static_cast<const unsigned char*>(p.w) + (size_t)n0 * p.K;
+    if (tid != 0) return;
     for (int kk = 0; kk < nkt; ++kk) {
       hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
-      const uint32_t st = base + ring.stage * STAGE_BYTES;
-      const size_t koff = (size_t)(kt0 + kk) * ROW;
-      copy_rows<BM>(st, xsrc + koff, ldx, xvalid, tid);
-      copy_rows<BN>(st + A_BYTES, wsrc + koff, p.K, p.N - n0, tid);
-      cp_async_arrive_noinc(&full[ring.stage]);
+      unsigned char* st = smem + ring.stage * STAGE_BYTES;
+      const int kc = (kt0 + kk) * ROW;   // E4M3: bytes = elements
+      hopper::mbar_arrive_expect_tx(&full[ring.stage], A_BYTES + B_BYTES);
+      hopper::tensor_copy_2d_g2s(st, p.xmap, kc, m0, &full[ring.stage]);
+      hopper::tensor_copy_2d_g2s(st + A_BYTES, p.wmap, kc, n0, &full[ring.stage]);
       ring.advance();
     }
   } else {
     // Weight row b of the B tile: W row n0 + b, or for SwiGLU (n0 = the feature offset) gate
-    // row n0 + b (b < BN/2) and up row I + n0 + b - BN/2.
+    // row n0 + b (b < BN/2) and up row I + n0 + b - BN/2. The packed words come by TMA into
+    // the stage's raw area (row b's 32 bytes at R + 32 b; rows past the tensor zero-filled),
+    // up to STAGES k-tiles ahead; the scales by __ldg, PF k-tiles ahead, in registers.
     const int I = p.N / 2, G = p.K / NQ_GROUP_SIZE;
-    const uint4* wrow[RPT];
-    const half* srow[RPT];
+    const unsigned short* srow[RPT];
     bool wok[RPT];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
@@ -197,26 +209,41 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
         wok[r] = b < BN && n < p.N;
       }
       n = wok[r] ? n : 0;
-      wrow[r] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.w) + (size_t)n * (p.K / 8));
-      srow[r] = static_cast<const half*>(p.scales) + (size_t)n * G;
+      srow[r] = reinterpret_cast<const unsigned short*>(static_cast<const half*>(p.scales) + (size_t)n * G);
     }
-    uint4 wa[PF][RPT], wb[PF][RPT];
     uint32_t sc[PF][RPT];
     auto load = [&](int d, int kt) {   // d: a compile-time constant at every call (unrolled)
 #pragma unroll
-      for (int r = 0; r < RPT; ++r) {
-        if (wok[r]) {
-          wa[d][r] = __ldg(wrow[r] + 2 * kt);
-          wb[d][r] = __ldg(wrow[r] + 2 * kt + 1);
-          const unsigned short s = __ldg(reinterpret_cast<const unsigned short*>(srow[r]) + (kt * BK16) / NQ_GROUP_SIZE);
-          sc[d][r] = (uint32_t)s * 0x10001u;
-        } else {
-          wa[d][r] = make_uint4(0, 0, 0, 0);
-          wb[d][r] = make_uint4(0, 0, 0, 0);
-          sc[d][r] = 0;
-        }
-      }
+      for (int r = 0; r < RPT; ++r)
+        sc[d][r] = wok[r] ? (uint32_t)__ldg(srow[r] + (kt * BK16) / NQ_GROUP_SIZE) * 0x10001u : 0u;
     };
+    // Thread 0: the TMA copies of k-tile kk (X into A, the packed W into R) once its stage is empty
+    // (k-tiles in order: the ring `tma` follows them).
+    hopper::MbarRing<STAGES> tma;
+    auto issue = [&](int kk) {
+      hopper::mbar_wait(&empty[tma.stage], tma.phase ^ 1u);
+      unsigned char* st = smem + tma.stage * STAGE_BYTES;
+      hopper::mbar_arrive_expect_tx(&full[tma.stage], A_BYTES);
+      hopper::tensor_copy_2d_g2s(st, p.xmap, (kt0 + kk) * BK16, m0, &full[tma.stage]);
+      hopper::mbar_arrive_expect_tx(&raw[tma.stage], BN * 32);
+      const int kw = (kt0 + kk) * (BK16 / 8);   // uint32 words of k
+      if constexpr (MODE == kSwiglu) {
+        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES, p.wmap, kw, n0, &raw[tma.stage]);
+        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES + (BN / 2) * 32, p.wmap, kw, I + n0, &raw[tma.stage]);
+      } else {
+        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES, p.wmap, kw, n0, &raw[tma.stage]);
+      }
+      tma.advance();
+    };
+    // Thread 0 keeps as many k-tiles in flight as there are empty stages, without blocking
+    // (a blocked lane 0 would hold warp 0's dequantization): after each arrival it issues the
+    // copies whose stage the consumers have released; it blocks only when the k-tile it is about
+    // to dequantize has not been issued yet (that stage's release needs nothing from warp 0).
+    int issued = 0;
+    auto issue_ready = [&]() {
+      while (issued < nkt && mbar_test(&empty[tma.stage], tma.phase ^ 1u)) issue(issued++);
+    };
+    if (tid == 0) issue_ready();   // every stage is empty: min(STAGES, nkt) k-tiles
 #pragma unroll
     for (int d = 0; d < PF; ++d)
       if (d < nkt) load(d, kt0 + d);
@@ -225,33 +252,35 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       for (int d = 0; d < PF; ++d) {
         const int kk = kb + d;
         if (kk >= nkt) break;
-        hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
+        if (tid == 0)
+          while (issued <= kk) issue(issued++);
+        // raw[kk] complete: its stage was empty (thread 0 waited before the copies) and W landed.
+        hopper::mbar_wait(&raw[ring.stage], ring.phase);
         const uint32_t st = base + ring.stage * STAGE_BYTES;
-        copy_rows<BM>(st, xsrc + (size_t)(kt0 + kk) * ROW, ldx, xvalid, tid);
-        cp_async_arrive_noinc(&full[ring.stage]);
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
           const int b = tid + 128 * r;
           if (b < BN) {
+            const uint4 wa = lds128(st + A_BYTES + B_BYTES + 32 * b), wb = lds128(st + A_BYTES + B_BYTES + 32 * b + 16);
             const uint32_t dst = st + A_BYTES + core_off(b, 0);
-            store_dequant(dst + 0 * 128, wa[d][r].x, sc[d][r]);
-            store_dequant(dst + 1 * 128, wa[d][r].y, sc[d][r]);
-            store_dequant(dst + 2 * 128, wa[d][r].z, sc[d][r]);
-            store_dequant(dst + 3 * 128, wa[d][r].w, sc[d][r]);
-            store_dequant(dst + 4 * 128, wb[d][r].x, sc[d][r]);
-            store_dequant(dst + 5 * 128, wb[d][r].y, sc[d][r]);
-            store_dequant(dst + 6 * 128, wb[d][r].z, sc[d][r]);
-            store_dequant(dst + 7 * 128, wb[d][r].w, sc[d][r]);
+            store_dequant(dst + 0 * 128, wa.x, sc[d][r]);
+            store_dequant(dst + 1 * 128, wa.y, sc[d][r]);
+            store_dequant(dst + 2 * 128, wa.z, sc[d][r]);
+            store_dequant(dst + 3 * 128, wa.w, sc[d][r]);
+            store_dequant(dst + 4 * 128, wb.x, sc[d][r]);
+            store_dequant(dst + 5 * 128, wb.y, sc[d][r]);
+            store_dequant(dst + 6 * 128, wb.z, sc[d][r]);
+            store_dequant(dst + 7 * 128, wb.w, sc[d][r]);
           }
         }
         hopper::fence_proxy_async_smem();
         hopper::mbar_arrive(&full[ring.stage]);
         if (kk + PF < nkt) load(d, kt0 + kk + PF);
+        if (tid == 0) issue_ready();
         ring.advance();
       }
     }
   }
-  hopper::cp_async_wait<0>();   // no copy of this thread outlives it
 }
 
 // ---- consumers -----------------------------------------------------------------------------
@@ -264,14 +293,13 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
   int prev = -1;
   for (int kk = 0; kk < nkt; ++kk) {
     hopper::mbar_wait(&full[ring.stage], ring.phase);
-    hopper::fence_proxy_async_smem();   // the producer's cp.async writes (generic proxy) before the wgmma reads
     const uint32_t a = base + ring.stage * STAGE_BYTES + wg * (64 * ROW);
     const uint32_t b = base + ring.stage * STAGE_BYTES + A_BYTES;
     if constexpr (MODE == kFp8) {
       float part[BN / 2];
       hopper::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_e4m3<BN>(part, desc(a + 256 * s), desc(b + 256 * s), s);
+      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_e4m3<BN>(part, desc_sw128(a + 32 * s), desc_sw128(b + 32 * s), s);
       hopper::wgmma_commit();
       hopper::wgmma_wait<0>();
       if (leader) hopper::mbar_arrive(&empty[ring.stage]);
@@ -280,7 +308,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
     } else {
       hopper::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_f16<BN>(acc, desc(a + 256 * s), desc(b + 256 * s), 1);
+      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_f16<BN>(acc, desc_sw128(a + 32 * s), desc(b + 256 * s), 1);
       hopper::wgmma_commit();
       hopper::wgmma_wait<1>();   // the previous k-tile's group is done: its stage is free
       if (prev >= 0 && leader) hopper::mbar_arrive(&empty[prev]);
@@ -374,17 +402,19 @@ __device__ __forceinline__ void epilogue(const Problem& p, const float (&acc)[BN
   }
 }
 
-// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + the barriers.
+// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + the 3 STAGES barriers.
 template <int MODE>
 __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* counters) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (hopper::smem_u32(smem_raw) & 1023u)) & 1023u);   // 1024-aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
   uint64_t* empty = full + STAGES;
+  uint64_t* raw = empty + STAGES;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      hopper::mbar_init(&full[s], MODE == kFp8 ? 128 : 256);
+      hopper::mbar_init(&full[s], MODE == kFp8 ? 1 : 129);   // TMA thread's expect_tx (+ 128 dequant arrivals)
       hopper::mbar_init(&empty[s], 8);   // one arrival per consumer warp
+      hopper::mbar_init(&raw[s], 1);     // INT4: thread 0's expect_tx for the packed W
     }
     hopper::fence_mbarrier_init();
   }
@@ -396,7 +426,7 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     hopper::setmaxnreg_dec<NQ_PW_PRODUCER_REGS>();
-    producer<MODE>(p, smem, full, empty, m0, n0, kt0, nkt);
+    producer<MODE>(p, smem, full, empty, raw, m0, n0, kt0, nkt);
   } else {
     hopper::setmaxnreg_inc<NQ_PW_CONSUMER_REGS>();
     float acc[BN / 2];
@@ -411,23 +441,29 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
 
 // INT4: x fp16 [T, K]; qw uint32 [N, K/8]; scales fp16 [N, K/128]; N % 8 == 0, K % 128 == 0.
 // ws fp32 / counters int32 (zero): split-K (gridDim.z > 1) only. Grid (ceil(T/128), ceil(N/BN), S).
+// xmap / wmap: device tensor maps (ops_prefill.xmap: X boxes of 128 rows x 64 halves, 128B swizzle;
+// ops_prefill.wmap_int4: qw boxes of BN rows (SwiGLU: BN/2) x 8 words, no swizzle).
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
-                 const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters) {
-  pw::gemm_body<pw::kInt4>(pw::Problem{x, qw, scales, nullptr, bias, residual, y, T, N, K}, ws, counters);
+                 const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters,
+                 const hopper::TensorMap* xmap, const hopper::TensorMap* wmap) {
+  pw::gemm_body<pw::kInt4>(pw::Problem{x, qw, scales, nullptr, bias, residual, y, T, N, K, xmap, wmap}, ws, counters);
 }
 
 // SwiGLU: qw / scales of gate_up [2I, K]; act fp16 [T, I]; I % 8 == 0. Grid (ceil(T/128), ceil(I/(BN/2)), S).
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma_swiglu(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
-                        half* act, int T, int N2, int K, float* ws, int* counters) {
-  pw::gemm_body<pw::kSwiglu>(pw::Problem{x, qw, scales, nullptr, nullptr, nullptr, act, T, N2, K}, ws, counters);
+                        half* act, int T, int N2, int K, float* ws, int* counters, const hopper::TensorMap* xmap,
+                        const hopper::TensorMap* wmap) {
+  pw::gemm_body<pw::kSwiglu>(pw::Problem{x, qw, scales, nullptr, nullptr, nullptr, act, T, N2, K, xmap, wmap}, ws,
+                             counters);
 }
 
 // FP8: xq uint8 [T, K], ts fp32 [T], codes uint8 [N, K], scales fp32 [N]; N % 8 == 0, K % 128 == 0.
 extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
 nq_prefill_wgmma_fp8(const unsigned char* __restrict__ xq, const float* __restrict__ ts,
                      const unsigned char* __restrict__ codes, const float* __restrict__ scales, const half* bias,
-                     const half* residual, half* y, int T, int N, int K, float* ws, int* counters) {
-  pw::gemm_body<pw::kFp8>(pw::Problem{xq, codes, scales, ts, bias, residual, y, T, N, K}, ws, counters);
+                     const half* residual, half* y, int T, int N, int K, float* ws, int* counters,
+                     const hopper::TensorMap* xmap, const hopper::TensorMap* wmap) {
+  pw::gemm_body<pw::kFp8>(pw::Problem{xq, codes, scales, ts, bias, residual, y, T, N, K, xmap, wmap}, ws, counters);
 }

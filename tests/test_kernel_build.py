@@ -116,7 +116,8 @@ def test_sass_of_the_hot_loops():
 def test_sass_of_the_wgmma_prefill(bn):
     """kernels/prefill_wgmma.cu (sm_90a) reaches Hopper's warpgroup MMA: the INT4 and SwiGLU
     kernels' consumer loops issue HGMMA (f16, N = bn) and the FP8 one QGMMA (E4M3), with no
-    HMMA (mma.sync) anywhere; the producer / consumer register split (setmaxnreg) survives;
+    HMMA (mma.sync) anywhere; the operands come by TMA (UTMALDG.2D, no cp.async LDGSTS); the
+    producer / consumer register split (setmaxnreg) survives;
     no local memory in the INT4 kernels."""
     import collections
     import re
@@ -134,6 +135,8 @@ def test_sass_of_the_wgmma_prefill(bn):
         body = text[start:text.find("//----", start)]
         assert not re.search(r"\bHMMA\.", body), f"{kernel}: mma.sync (HMMA) in the SASS"
         assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{kernel}: setmaxnreg dropped"
+        assert "UTMALDG.2D" in body, f"{kernel}: no TMA load (X, and W: packed INT4 words / E4M3 codes)"
+        assert not re.search(r"\bLDGSTS\b", body), f"{kernel}: cp.async left in the producer"
         if kernel != "nq_prefill_wgmma_fp8" or bn <= 128:
             assert not re.search(r"\b(LDL|STL)\b", body), f"{kernel} bn={bn}: local memory"
 

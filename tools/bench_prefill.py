@@ -232,6 +232,15 @@ def bench_wgmma(dims, t, rng, warmup, reps, sweep=True):
         ops_fp8.quantize_rows_fp8(x, xq, ts)
         f8w = add("fp8 wgmma plan", median_us(lambda: ops_fp8.gemm_fp8(xq, ts, codes, s8, out, bias=bias, residual=res,
                                                                       kernel="wgmma"), warmup, reps))
+        if sweep:
+            for b in ops_fp8.WGMMA_FP8_BN_CHOICES:
+                for sp in (1, 2) if n <= 8192 else (1,):
+                    try:
+                        add(f"fp8 wgmma bn{b} s{sp}", median_us(lambda: ops_fp8.gemm_fp8(
+                            xq, ts, codes, s8, out, bias=bias, residual=res, kernel="wgmma", bn=b, split=sp),
+                            warmup, reps))
+                    except Exception as e:
+                        print(f"{proj} fp8 wgmma bn{b} s{sp}: {e}")
         f8m = add("fp8 mma.sync", median_us(lambda: ops_fp8.gemm_fp8(xq, ts, codes, s8, out, bias=bias, residual=res),
                                             warmup, reps))
         summary[proj].update(fp8_wgmma_us=f8w, fp8_mma_us=f8m)

@@ -117,6 +117,7 @@ def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, *, kernel="mm
         raise NanoqwenError("ops_fp8.gemm_fp8", "kernel", f"one of {GEMM_KERNELS}", kernel)
     if kernel == "wgmma":
         from nanoqwen_lib.gpu import ops_prefill as op
+        from nanoqwen_lib.gpu import tensor_map
         where = "ops_fp8.gemm_fp8"
         t, n, k = check_gemm("gemm_fp8", xq, ts, codes, scales, out, bias, residual, op.WGMMA_ROW_BYTES)
         if n % 8:
@@ -131,7 +132,8 @@ def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, *, kernel="mm
         op._wgmma_kernel("nq_prefill_wgmma_fp8", bn, stages)(
             grid, (op.WGMMA_THREADS,),
             (xq, ts, codes, scales, device_ptr(bias), device_ptr(residual), out, np.int32(t), np.int32(n),
-             np.int32(k), device_ptr(ws), device_ptr(counters)),
+             np.int32(k), device_ptr(ws), device_ptr(counters), op.xmap(xq, op.WGMMA_ROW_BYTES),
+             tensor_map.device_map(codes, (bn, op.WGMMA_ROW_BYTES), swizzle="128B")),
             shared_mem=op.wgmma_smem_bytes(bn, stages))
         return
     if bn is not None or split is not None or stages is not None:

@@ -65,6 +65,8 @@ WGMMA_STAGES = _PWT["NQ_PW_STAGES"]
 WGMMA_BN = _PWT["NQ_PW_BN"]
 WGMMA_BN_CHOICES = (112, 128, 144, 256)   # the builds (the file's nq-variants line + the default)
 WGMMA_FILL_KTILES = 4                # prologue + epilogue of a CTA in k-tile times (plan_wgmma's wave model)
+WGMMA_SPLIT_MAX = 4                  # split-K slices the plan considers (measured up to 4; the model ignores the reduction)
+WGMMA_KTILE_OVERHEAD = 128           # a k-tile costs bn + this (the v3 H200 fit: bn 256 / bn 128 = 1.32x)
 GEMM_KERNELS = ("wgmma", "mma")
 DEFAULT_GEMM_KERNEL = "mma"          # gemm_int4's kernel when none is named: "wgmma" once its GPU tests pass
 _PA = load().geometry["prefill_attention"]
@@ -218,16 +220,49 @@ def _kernel_choice(fn: str, kernel, n: int, *, bm=None, warps_m=None, bn=None) -
 
 
 # ---- the wgmma GEMM -----------------------------------------------------------------------
-def wgmma_smem_bytes(bn: int, stages: int = WGMMA_STAGES) -> int:
-    """Dynamic shared memory of nq_prefill_wgmma*: per stage an A tile (WGMMA_BM rows) and a B
-    tile (bn rows) of WGMMA_ROW_BYTES each, 1024 bytes of alignment slack, the 2 * stages barriers."""
-    return stages * (WGMMA_BM + bn) * WGMMA_ROW_BYTES + 1024 + 2 * stages * 8
+SMEM_OPTIN = 227 * 1024               # the H200's per-block shared memory (opt-in maximum)
+
+
+def wgmma_stage_bytes(bn: int, row_bytes: int = WGMMA_ROW_BYTES) -> int:
+    """One ring stage of nq_prefill_wgmma*: the A tile (WGMMA_BM rows), the B tile (bn rows)
+    of row_bytes each, and the INT4 packed words of the bn weight rows (32 bytes each, padded
+    to 1 KiB; the FP8 kernel leaves it unused)."""
+    return (WGMMA_BM + bn) * row_bytes + -(-bn * 32 // 1024) * 1024
+
+
+def wgmma_stages(bn: int, row_bytes: int = WGMMA_ROW_BYTES) -> int:
+    """The ring depth for a BN build: as many stages as fit SMEM_OPTIN (2 KiB kept for the
+    alignment slack, barriers and static shared memory), at most 8: with TMA there is no
+    per-thread cost to a deeper ring, and the loads need ~2 us of cover (bn 256: 4, bn 128: 6)."""
+    return max(2, min(8, (SMEM_OPTIN - 2048) // wgmma_stage_bytes(bn, row_bytes)))
+
+
+def xmap(x, box_k: int):
+    """The device tensor map of the activation x [T, K] (fp16: box_k 64; E4M3: 128): boxes of
+    WGMMA_BM rows x 128 bytes, 128B swizzle (prefill_wgmma.cu's A tile); cached per pointer+shape."""
+    from nanoqwen_lib.gpu import tensor_map
+    return tensor_map.device_map(x, (WGMMA_BM, box_k), swizzle="128B")
+
+
+def wmap_int4(qweight, rows: int):
+    """The device tensor map of the packed INT4 words uint32 [N, K/8]: boxes of `rows` weight
+    rows x 8 words (one k-tile of 64), no swizzle (the producer reads them back to dequantize)."""
+    from nanoqwen_lib.gpu import tensor_map
+    return tensor_map.device_map(qweight, (rows, WGMMA_BK // 8), swizzle="none")
+
+
+def wgmma_smem_bytes(bn: int, stages: int | None = None) -> int:
+    """Dynamic shared memory of nq_prefill_wgmma*: stages * wgmma_stage_bytes, 1024 bytes of
+    alignment slack, the 3 * stages barriers (full, empty, raw)."""
+    stages = stages or wgmma_stages(bn)
+    return stages * wgmma_stage_bytes(bn) + 1024 + 3 * stages * 8
 
 
 def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_CHOICES) -> tuple[int, int]:
     """(bn, split) for a [t, k] x [n, k]^T GEMM on the wgmma kernel (n: output features; for
     the fused gate_up SwiGLU the 2 I weight rows). Wave model: a CTA's k-tile costs time in
-    proportion to bn (the tensor cores are the bottleneck); rounds of ceil(ctas / SMs) waves
+    proportion to bn + WGMMA_KTILE_OVERHEAD (tensor-core time plus a per-k-tile cost, fit to
+    the H200: nanoqwen.yaml lists the picks at T = 512); rounds of ceil(ctas / SMs) waves
     times (k-tiles per slice + WGMMA_FILL_KTILES); split-K only where a slice keeps
     SPLIT_MIN_KTILES k-tiles and the partials fit the workspace. Ties go to the larger bn
     (fewer re-reads of X), then to no split."""
@@ -235,11 +270,11 @@ def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_
     best = None
     for bn in bns:
         tiles = -(-t // WGMMA_BM) * -(-n // bn)
-        for s in range(1, SPLIT_MAX + 1):
+        for s in range(1, WGMMA_SPLIT_MAX + 1):
             if s > 1 and (ktiles // s < SPLIT_MIN_KTILES or s * tiles * WGMMA_BM * bn > WS_FLOATS
                           or tiles > WS_COUNTERS):
                 continue
-            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES) * bn
+            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES) * (bn + WGMMA_KTILE_OVERHEAD)
             key = (cost, -bn, s)
             if best is None or key < best[0]:
                 best = (key, bn, s)
@@ -259,11 +294,11 @@ def _wgmma_grid(where: str, t: int, n_tiles_of: int, k: int, bn, split, stages, 
     if bn is None or split is None:
         pbn, psplit = plan_wgmma(t, plan_n, k, stage_k=stage_k)
         bn, split = bn or pbn, split or psplit
-    stages = stages or WGMMA_STAGES
     if bn not in WGMMA_BN_CHOICES:
         raise NanoqwenError(where, "bn", f"one of {WGMMA_BN_CHOICES}", bn)
-    if not 2 <= stages <= 8:
-        raise NanoqwenError(where, "stages", "2 .. 8", stages)
+    stages = stages or wgmma_stages(bn)
+    if not 2 <= stages <= 8 or wgmma_smem_bytes(bn, stages) > SMEM_OPTIN:
+        raise NanoqwenError(where, "stages", f"2 .. {wgmma_stages(bn)} (shared memory) for bn {bn}", stages)
     if not 1 <= split <= k // stage_k:
         raise NanoqwenError(where, "split", f"1 .. {k // stage_k} (k-tiles of {stage_k})", split)
     tiles = -(-t // WGMMA_BM) * -(-n_tiles_of // bn)
@@ -290,7 +325,7 @@ def _launch_wgmma(fn: str, kernel: str, x, qweight, scales, out, bias, residual,
     _wgmma_kernel(kernel, bn, stages)(
         grid, (WGMMA_THREADS,),
         (x, qweight, scales, _ptr(bias), _ptr(residual), out, np.int32(t), np.int32(n), np.int32(k),
-         _ptr(ws), _ptr(counters)),
+         _ptr(ws), _ptr(counters), xmap(x, WGMMA_BK), wmap_int4(qweight, bn)),
         shared_mem=wgmma_smem_bytes(bn, stages))
 
 
@@ -320,7 +355,8 @@ def gemm_int4_gate_up_swiglu(x, qweight, scales, act, *, bn=None, split=None, st
     ws, counters = workspace() if split > 1 else (None, None)
     _wgmma_kernel("nq_prefill_wgmma_swiglu", bn, stages)(
         grid, (WGMMA_THREADS,),
-        (x, qweight, scales, act, np.int32(t), np.int32(n2), np.int32(k), _ptr(ws), _ptr(counters)),
+        (x, qweight, scales, act, np.int32(t), np.int32(n2), np.int32(k), _ptr(ws), _ptr(counters),
+         xmap(x, WGMMA_BK), wmap_int4(qweight, bn // 2)),
         shared_mem=wgmma_smem_bytes(bn, stages))
 
 

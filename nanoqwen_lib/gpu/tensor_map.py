@@ -16,9 +16,11 @@ was found, before any driver call. The kernel gets the map either as a
 128-byte struct by value) or, as here, by pointer to a 64-byte-aligned device copy
 (`device_map`): cp.async.bulk.tensor reads a map in global memory too.
 
-Not yet used by the engine's kernels: prefill_wgmma.cu fills X by cp.async (the producer
-warpgroup is there anyway for the INT4 dequantization); this is the host half of the TMA
-path for the FP8 kernel (both operands plain tiles).
+Used by prefill_wgmma.cu (ops_prefill / ops_fp8 wgmma launchers): X (fp16 or E4M3) and FP8's
+codes reach shared memory by TMA in 128-byte-swizzled boxes. The device copies are cached per
+(device, pointer, shape, dtype, box, swizzle) and never freed: a launch captured into a CUDA
+graph keeps pointing at a live map. Encode (launch once) before capturing: the first encode
+copies host -> device, which a capturing stream refuses.
 """
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ def encode(args: TiledArgs) -> bytes:
     return bytes(buf)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=None)   # never evicted: captured graphs hold these pointers
 def _device_map(device: int, address: int, shape: tuple, dtype: str, box: tuple, swizzle: str):
     import cupy as cp
     raw = encode(tiled_args(address, shape, dtype, box, swizzle=swizzle))
