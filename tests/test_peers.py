@@ -331,18 +331,21 @@ def test_cublas_hints_point_cmake_at_pips_cublas_only_when_the_toolkit_lacks_it(
     tool = load_tool()
     cuda, site = tmp_path / "cuda", tmp_path / "site"
     (cuda / "lib64").mkdir(parents=True)
-    for rel in ("nvidia/cu13/lib/libcublas.so.13", "nvidia/cu13/lib/libcublasLt.so.13", "nvidia/cu13/include/cublas_v2.h"):
+    for rel in ("nvidia/cu13/lib/libcublas.so.13", "nvidia/cu13/lib/libcublasLt.so.13", "nvidia/cu13/lib/libcudart.so.13",
+                "nvidia/cu13/include/cublas_v2.h", "nvidia/cu13/include/cuda_runtime_api.h"):
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_text("")
     monkeypatch.setenv("CUDA_HOME", str(cuda))
     monkeypatch.setenv("LD_LIBRARY_PATH", "/x")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tool.sysconfig, "get_paths", lambda: {"purelib": str(site)})
     lib = site / "nvidia/cu13/lib"
+    inc = tmp_path / "nq-cublas-include"        # cuBLAS's headers only: not the wheel's CUDA runtime headers
     assert tool.cublas_hints() == [f"-DCUDA_cublas_LIBRARY={lib / 'libcublas.so.13'}",
                                    f"-DCUDA_cublasLt_LIBRARY={lib / 'libcublasLt.so.13'}",
-                                   f"-DCMAKE_CUDA_FLAGS=-I{site / 'nvidia/cu13/include'}",
-                                   f"-DCMAKE_CXX_FLAGS=-I{site / 'nvidia/cu13/include'}"]
-    assert tool.os.environ["LD_LIBRARY_PATH"].split(":")[:2] == [str(lib), "/x"]
+                                   f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+    assert sorted(p.name for p in inc.iterdir()) == ["cublas_v2.h"]
+    assert tool.os.environ["LD_LIBRARY_PATH"].split(":")[:3] == [str(lib), str(lib), "/x"]   # cuBLAS, cudart
     (cuda / "lib64" / "libcublas.so.13").write_text("")
     assert tool.cublas_hints() == []
     (cuda / "lib64" / "libcublas.so.13").unlink()

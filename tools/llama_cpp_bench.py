@@ -85,7 +85,12 @@ def sh(cmd, **kw) -> str:
 
 
 # ---------------------------------------------------------------- pack
-def pack(sdist: Path, out: Path) -> Path:
+# What a prebuilt run needs of the source (pack --runtime-only): the converter and the
+# bindings; the C/C++ sources stay out.
+RUNTIME_KEEP = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
+
+
+def pack(sdist: Path, out: Path, runtime_only: bool = False) -> Path:
     """sdist -> out: vendor/llama.cpp (less DROP) as llama.cpp/, the bindings as
     llama_cpp/, and VERSION (the package version and the llama.cpp commit it vendors)."""
     name = sdist.name.removesuffix(".tar.gz")
@@ -103,6 +108,8 @@ def pack(sdist: Path, out: Path) -> Path:
             if rel.startswith("vendor/llama.cpp/"):
                 inner = rel[len("vendor/llama.cpp/"):]
                 if any(inner == d or inner.startswith(d + "/") for d in DROP):
+                    continue
+                if runtime_only and not any(inner == d or inner.startswith(d + "/") for d in RUNTIME_KEEP):
                     continue
                 m.name = "llama.cpp/" + inner
             elif rel.startswith("llama_cpp/"):
@@ -126,9 +133,20 @@ def cublas_hints() -> list[str]:
     """CMake cache entries pointing FindCUDAToolkit at pip's cuBLAS when the toolkit lacks it
     (the device's /usr/local/cuda may; torch's nvidia-cublas wheel is in site-packages)."""
     cuda = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    site = Path(sysconfig.get_paths()["purelib"])
+    # The CUDA runtime that libggml-cuda needs, for child processes and this one (a build
+    # made elsewhere finds it neither by its RUNPATH nor, maybe, by the system's paths).
+    cudart = sorted(glob.glob(str(cuda / "lib64" / "libcudart.so.*"))) or \
+        sorted(glob.glob(str(site / "nvidia" / "**" / "libcudart.so.*"), recursive=True))
+    if cudart:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([str(Path(cudart[0]).parent),
+                                                         os.environ.get("LD_LIBRARY_PATH", "")])
+        try:
+            ctypes.CDLL(cudart[0], mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            log(f"could not preload {cudart[0]}: {e}")
     if list(cuda.glob("lib64/libcublas.so*")) or list(cuda.glob("targets/*/lib/libcublas.so*")):
         return []
-    site = Path(sysconfig.get_paths()["purelib"])
     libs = {n: sorted(glob.glob(str(site / "nvidia" / "**" / f"lib{n}.so*"), recursive=True)) for n in ("cublas", "cublasLt")}
     heads = sorted(glob.glob(str(site / "nvidia" / "**" / "cublas_v2.h"), recursive=True))
     if not libs["cublas"] or not libs["cublasLt"] or not heads:
@@ -451,6 +469,8 @@ def main(argv=None):
     p = sub.add_parser("pack", help="repack llama-cpp-python's sdist to fit a device carry")
     p.add_argument("sdist", type=Path)
     p.add_argument("--out", type=Path, default=ROOT / ".peers" / "llama-cpp-src.tar.gz")
+    p.add_argument("--runtime-only", action="store_true",
+                   help="only the converter and the bindings (for a run with --prebuilt)")
     r = sub.add_parser("run", help="build, convert, quantize, time and check llama.cpp")
     r.add_argument("--src", default=str(ROOT / ".peers" / "llama-cpp-src.tar.gz"))
     r.add_argument("--model", default="tiny")
@@ -468,7 +488,7 @@ def main(argv=None):
     r.add_argument("--drop-f16", action="store_true", help="remove the f16 GGUF once both quantizations exist")
     a = ap.parse_args(argv)
     if a.cmd == "pack":
-        pack(a.sdist, a.out)
+        pack(a.sdist, a.out, a.runtime_only)
     else:
         run(a)
 
