@@ -103,7 +103,7 @@ for what in "$@"; do
       # work can run meanwhile; llama-wait waits for it (same call or the next, machine still warm).
       mkdir -p .peers; rm -f .peers/prep.done
       setsid nohup bash -c "python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
-        --src .peers/llama-cpp-runtime.tar.gz --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps convert,quantize --drop-f16 \
+        --src .peers/llama-cpp-runtime.tar.gz --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps convert,quantize --drop-f16 --jobs ${LLAMA_JOBS:-8} \
         --out .peers/llama-cpp-prep.json > .peers/prep.log 2>&1; echo \$? > .peers/prep.done" >/dev/null 2>&1 &
       echo "llama.cpp prep started in the background" ;;
     llama-wait)
