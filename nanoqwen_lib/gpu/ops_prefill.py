@@ -60,6 +60,14 @@ WS_COUNTERS = 1 << 16            # one counter per output tile
 _PW = load().geometry["prefill_wgmma"]
 _PWT = load().tuning["prefill_wgmma"].defines
 WGMMA_BM, WGMMA_ROW_BYTES, WGMMA_THREADS = _PW["NQ_PW_BM"], _PW["NQ_PW_ROW_BYTES"], _PW["NQ_PW_THREADS"]
+WGMMA_INT4_2P_MAX_BN = _PW["NQ_PW_INT4_2P_MAX_BN"]   # INT4 / SwiGLU builds with bn <= this: 2 producer warpgroups
+
+
+def wgmma_int4_threads(bn: int) -> int:
+    """Block size of nq_prefill_wgmma[_swiglu] built with NQ_PW_BN = bn (the kernel's INT4_THREADS):
+    512 (2 dequantizing producer warpgroups + 2 consumers) for bn <= NQ_PW_INT4_2P_MAX_BN, else
+    WGMMA_THREADS (384: 1 + 2). The FP8 kernel is always WGMMA_THREADS."""
+    return 512 if bn <= WGMMA_INT4_2P_MAX_BN else WGMMA_THREADS
 WGMMA_BK = WGMMA_ROW_BYTES // 2      # k per stage (fp16 operands)
 WGMMA_STAGES = _PWT["NQ_PW_STAGES"]
 WGMMA_BN = _PWT["NQ_PW_BN"]
@@ -323,7 +331,7 @@ def _launch_wgmma(fn: str, kernel: str, x, qweight, scales, out, bias, residual,
     bn, split, stages, grid = _wgmma_grid(where, t, n, k, bn, split, stages, WGMMA_BK, n)
     ws, counters = workspace() if split > 1 else (None, None)
     _wgmma_kernel(kernel, bn, stages)(
-        grid, (WGMMA_THREADS,),
+        grid, (wgmma_int4_threads(bn),),
         (x, qweight, scales, _ptr(bias), _ptr(residual), out, np.int32(t), np.int32(n), np.int32(k),
          _ptr(ws), _ptr(counters), xmap(x, WGMMA_BK), wmap_int4(qweight, bn)),
         shared_mem=wgmma_smem_bytes(bn, stages))
@@ -354,7 +362,7 @@ def gemm_int4_gate_up_swiglu(x, qweight, scales, act, *, bn=None, split=None, st
         raise LimitError(where, "split-K workspace", "fits", f"split {split}", "a smaller split")
     ws, counters = workspace() if split > 1 else (None, None)
     _wgmma_kernel("nq_prefill_wgmma_swiglu", bn, stages)(
-        grid, (WGMMA_THREADS,),
+        grid, (wgmma_int4_threads(bn),),
         (x, qweight, scales, act, np.int32(t), np.int32(n2), np.int32(k), _ptr(ws), _ptr(counters),
          xmap(x, WGMMA_BK), wmap_int4(qweight, bn // 2)),
         shared_mem=wgmma_smem_bytes(bn, stages))
