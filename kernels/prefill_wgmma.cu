@@ -13,14 +13,18 @@
 // one rounding at the end. Same bits as prefill_gemm.cu? No: the tensor cores sum in another
 // order; the float64 bound of tests/test_gpu_prefill.py holds for both.
 //
-// CTA: 3 warpgroups (384 threads). Warpgroup 0 is the producer, 1 and 2 the consumers; each
-// consumer owns 64 of the BM = 128 tokens of the tile and all BN features (wgmma m64nBNk16,
-// accumulators in registers: BN / 2 floats per thread). The k dimension goes through a ring of
-// NQ_PW_STAGES shared-memory stages on mbarriers: `full` (producer -> consumers: the TMA
-// thread's arrive.expect_tx for X (+ FP8's codes) and, INT4, 128 plain arrivals after the
-// dequantized stores), `raw` (INT4: TMA -> the producer: the packed W words landed) and `empty`
-// (consumers -> producer: one arrival per consumer warp after its wgmma group that read the
-// stage has completed).
+// CTA: FP8, and INT4 at BN > NQ_PW_INT4_2P_MAX_BN (144, 256): 3 warpgroups (384 threads),
+// warpgroup 0 the producer, 1 and 2 the consumers. INT4 at BN <= NQ_PW_INT4_2P_MAX_BN (112, 128):
+// 4 warpgroups (512 threads), 0 and 1 the producers (twice the dequantization rate: INT4 is bound
+// by it, PERFLOG "prefill" v4), 2 and 3 the consumers; no setmaxnreg there (512 threads cap
+// ptxas at 128 registers a thread for the whole kernel, which BN / 2 = 64 accumulators fit; the
+// m64n256 wgmma needs >= 154, hence 1 producer warpgroup at BN 256). Each consumer owns 64 of the
+// BM = 128 tokens of the tile and all BN features (wgmma m64nBNk16, accumulators in registers:
+// BN / 2 floats per thread). The k dimension goes through a ring of NQ_PW_STAGES shared-memory
+// stages on mbarriers: `full` (producers -> consumers: the TMA thread's arrive.expect_tx for X
+// (+ FP8's codes) and, INT4, one plain arrival per producer thread after its dequantized stores)
+// and `empty` (consumers -> producers: one arrival per consumer warp after its wgmma group that
+// read the stage has completed).
 //
 // Stage layout (1024-byte aligned): A = X (or xq), BM rows of 128 bytes of k, written by TMA
 // with CU_TENSOR_MAP_SWIZZLE_128B (row r at 128 r, 16-byte chunk c at (c ^ r % 8) * 16;
@@ -28,18 +32,20 @@
 // swizzle); INT4: the dequantized fp16 W in the non-swizzled core-matrix layout (lab/
 // wgmma_fp8.cu's descriptor): element (r, byte b) at ((r / 8) * 8 + b / 16) * 128 + (r % 8) * 16
 // + b % 16, LBO 128, SBO 1024, k-step s at +256 s; the 8 lanes of a quarter-warp store one core
-// matrix, 128 contiguous bytes: conflict-free. R (INT4): the packed words of the BN weight rows,
-// 32 bytes each (one k-tile of 64), written by TMA without swizzle.
+// matrix, 128 contiguous bytes: conflict-free. R: v4's TMA area for the packed INT4 words, unused
+// since v5 (kept so that the stage size, hence every build's ring depth, FP8's included, is v4's).
 //
-// Producer (128 threads, registers lowered by setmaxnreg.dec):
-//   Thread 0 issues the TMA copies of each k-tile as soon as its stage is empty (tensor
-//   maps in global memory, nanoqwen_lib/gpu/tensor_map.py; rows past T or N are zero-filled).
-//   FP8: that is all. INT4: thread p owns weight rows p (and p + 128 when BN > 128); it waits
-//   `raw`, reads its row's 32 bytes back (2 x ld.shared.v4), dequantizes each word (8
-//   consecutive k) with the scale (loaded NQ_PW_PREFETCH k-tiles ahead into a register ring)
-//   into one 16-byte core-matrix row, then fence.proxy.async.shared::cta (the wgmma and the
-//   next TMA into the stage go through the async proxy) and a plain arrive on `full`.
-// Consumers (registers raised by setmaxnreg.inc): wait `full`, 4 wgmmas (one k-tile), commit;
+// Producers (registers lowered by setmaxnreg.dec in the 384-thread builds):
+//   Thread 0 issues the TMA copies of each k-tile once its stage is empty (tensor maps in global
+//   memory, nanoqwen_lib/gpu/tensor_map.py; rows past T or N are zero-filled). FP8: X and the
+//   codes, that is all. INT4 (v5, v3's W path): X only; every producer thread holds its share of
+//   the packed W words (16 or 32 bytes of a row per k-tile) and the row's scale, loaded by __ldg
+//   PF k-tiles ahead into a register ring; once the stage is empty it dequantizes them straight
+//   into the B tile (each word, 8 consecutive k, into one 16-byte core-matrix row), then
+//   fence.proxy.async.shared::cta (the wgmma and the next TMA into the stage go through the
+//   async proxy) and a plain arrive on `full`.
+// Consumers (registers raised by setmaxnreg.inc in the 384-thread builds): wait `full`, 4
+// wgmmas (one k-tile), commit;
 // wait until one group is pending, i.e. the previous k-tile's group is done, and release its
 // stage. FP8: the tensor core's accumulator keeps fewer bits than FP32 (lab/wgmma_fp8.cu), so each
 // stage (128 k) is summed into a fresh fragment, waited for, and added into the FP32 total.
@@ -50,6 +56,8 @@
 // Split-K (gridDim.z = S > 1): as prefill_gemm.cu (slice z takes k-tiles [z KT/S, (z+1) KT/S);
 // FP32 partials to a workspace, the last CTA of the tile sums them in slice order); only the
 // 256 consumer threads take part (named barrier 1).
+// Launch: blockDim = INT4_THREADS (ops_prefill.wgmma_int4_threads(bn)) for the INT4 kernels,
+// THREADS for the FP8 one.
 #include "hopper.cuh"
 #include "fp8.cuh"
 #include "wgmma_ops.cuh"
@@ -403,7 +411,7 @@ __device__ __forceinline__ void epilogue(const Problem& p, const float (&acc)[BN
   }
 }
 
-// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + the 3 STAGES barriers.
+// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + 3 STAGES barriers (2 used since v5).
 template <int MODE>
 __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* counters) {
   extern __shared__ unsigned char smem_raw[];
@@ -441,7 +449,8 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
 
 // INT4: x fp16 [T, K]; qw uint32 [N, K/8]; scales fp16 [N, K/128]; N % 8 == 0, K % 128 == 0.
 // ws fp32 / counters int32 (zero): split-K (gridDim.z > 1) only. Grid (ceil(T/128), ceil(N/BN), S).
-// xmap / wmap: device tensor maps (ops_prefill.xmap: X boxes of 128 rows x 64 halves, 128B swizzle;
+// xmap / wmap: device tensor maps (ops_prefill.xmap: X boxes of 128 rows x 64 halves, 128B swizzle; since v5
+// the INT4 kernels read wmap not (kept in the signature);
 // ops_prefill.wmap_int4: qw boxes of BN rows (SwiGLU: BN/2) x 8 words, no swizzle).
 extern "C" __global__ void __launch_bounds__(pw::INT4_THREADS, 1)
 nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
