@@ -176,10 +176,10 @@ def bench_fp8_gemms(dims, t, rng, warmup, reps):
     return rows
 
 
-# --quick: the INT4 (bn, split) candidates per shape (v3's best, and bn 128 / 112 with the v5 kernel's 2
-# producer warpgroups), FP8 the plan only.
-QUICK_INT4 = {"qkv": ((256, 1), (144, 1), (128, 1), (112, 1)), "o_proj": ((128, 1), (128, 2), (256, 1), (256, 2)),
-              "gate_up": ((256, 1), (128, 1)), "down": ((256, 1), (144, 4), (128, 2), (128, 4), (256, 2))}
+# --quick: the INT4 (bn, split) candidates per shape (v3's best, bn256, and bn 128 / 112 with the v5
+# kernel's 2 producer warpgroups), FP8 the plan only.
+QUICK_INT4 = {"qkv": ((256, 1), (144, 1), (128, 1), (112, 1)), "o_proj": ((256, 2), (128, 1), (112, 1), (128, 2)),
+              "gate_up": ((256, 1), (128, 1), (112, 1)), "down": ((256, 2), (256, 4), (128, 1), (112, 1), (128, 2))}
 
 
 def bench_wgmma(dims, t, rng, warmup, reps, sweep=True, quick=False):

@@ -74,6 +74,7 @@ WGMMA_BN = _PWT["NQ_PW_BN"]
 WGMMA_BN_CHOICES = (112, 128, 144, 256)   # the builds (the file's nq-variants line + the default)
 WGMMA_FILL_KTILES = 4                # prologue + epilogue of a CTA in k-tile times (plan_wgmma's wave model)
 WGMMA_SPLIT_MAX = 4                  # split-K slices the plan considers (measured up to 4; the model ignores the reduction)
+WGMMA_SPLIT_KTILES = 4               # INT4: each extra split-K slice costs the CTA this many k-tiles (v3: qkv bn 256 s3 112 us vs s1 98)
 WGMMA_KTILE_OVERHEAD = 128           # a k-tile costs bn + this (the v3 H200 fit: bn 256 / bn 128 = 1.32x)
 GEMM_KERNELS = ("wgmma", "mma")
 DEFAULT_GEMM_KERNEL = "mma"          # gemm_int4's kernel when none is named: "wgmma" once its GPU tests pass
@@ -266,14 +267,26 @@ def wgmma_smem_bytes(bn: int, stages: int | None = None) -> int:
     return stages * wgmma_stage_bytes(bn) + 1024 + 3 * stages * 8
 
 
-def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_CHOICES) -> tuple[int, int]:
+def wgmma_int4_ktile_bn(bn: int) -> int:
+    """The bn an INT4 k-tile costs like (plan_wgmma): the 384-thread builds' producer threads own
+    ceil(bn / 128) weight rows each, so their dequantization takes as long as at 128 * that (bn 144
+    like bn 256: v3 measured qkv bn 144 s1 110 us against bn 256 s1 98); the 512-thread builds
+    (2 producer warpgroups, bn <= 128) cost bn."""
+    return bn if wgmma_int4_threads(bn) == 512 else 128 * -(-bn // 128)
+
+
+def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_CHOICES,
+               int4: bool = True) -> tuple[int, int]:
     """(bn, split) for a [t, k] x [n, k]^T GEMM on the wgmma kernel (n: output features; for
     the fused gate_up SwiGLU the 2 I weight rows). Wave model: a CTA's k-tile costs time in
     proportion to bn + WGMMA_KTILE_OVERHEAD (tensor-core time plus a per-k-tile cost, fit to
     the H200: nanoqwen.yaml lists the picks at T = 512); rounds of ceil(ctas / SMs) waves
     times (k-tiles per slice + WGMMA_FILL_KTILES); split-K only where a slice keeps
     SPLIT_MIN_KTILES k-tiles and the partials fit the workspace. Ties go to the larger bn
-    (fewer re-reads of X), then to no split."""
+    (fewer re-reads of X), then to no split. int4 (the INT4 kernels): a k-tile costs
+    wgmma_int4_ktile_bn(bn) + WGMMA_KTILE_OVERHEAD and a CTA of split s adds (s - 1) *
+    WGMMA_SPLIT_KTILES k-tiles (the reduction); FP8 (int4=False): bn + that, no reduction term
+    (v4's plan, unchanged)."""
     sms, ktiles = num_sms(), k // stage_k
     best = None
     for bn in bns:
@@ -282,7 +295,9 @@ def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_
             if s > 1 and (ktiles // s < SPLIT_MIN_KTILES or s * tiles * WGMMA_BM * bn > WS_FLOATS
                           or tiles > WS_COUNTERS):
                 continue
-            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES) * (bn + WGMMA_KTILE_OVERHEAD)
+            kbn = wgmma_int4_ktile_bn(bn) if int4 else bn
+            red = (s - 1) * WGMMA_SPLIT_KTILES if int4 else 0
+            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES + red) * (kbn + WGMMA_KTILE_OVERHEAD)
             key = (cost, -bn, s)
             if best is None or key < best[0]:
                 best = (key, bn, s)
