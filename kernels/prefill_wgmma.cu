@@ -265,7 +265,7 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
         if (kk >= nkt) break;
         hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
         unsigned char* stp = smem + ring.stage * STAGE_BYTES;
-        if (q == 0) {   // X by TMA: one elected thread, expect_tx (the full barrier's 257th arrival)
+        if (q == 0) {   // X by TMA: one elected thread, expect_tx (full: 1 + NPT arrivals)
           hopper::mbar_arrive_expect_tx(&full[ring.stage], A_BYTES);
           hopper::tensor_copy_2d_g2s(stp, p.xmap, (kt0 + kk) * BK16, m0, &full[ring.stage]);
         }
@@ -300,6 +300,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
   const bool leader = (threadIdx.x & 31) == 0;
   hopper::MbarRing<STAGES> ring;
   int prev = -1;
+  // [wgmma-consumer]
   for (int kk = 0; kk < nkt; ++kk) {
     hopper::mbar_wait(&full[ring.stage], ring.phase);
     const uint32_t a = base + ring.stage * STAGE_BYTES + wg * (64 * ROW);
@@ -325,6 +326,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
     }
     ring.advance();
   }
+  // [/wgmma-consumer]
   if constexpr (MODE != kFp8) {
     hopper::wgmma_wait<0>();
     if (prev >= 0 && leader) hopper::mbar_arrive(&empty[prev]);
