@@ -13,14 +13,18 @@
 // one rounding at the end. Same bits as prefill_gemm.cu? No: the tensor cores sum in another
 // order; the float64 bound of tests/test_gpu_prefill.py holds for both.
 //
-// CTA: 3 warpgroups (384 threads). Warpgroup 0 is the producer, 1 and 2 the consumers; each
-// consumer owns 64 of the BM = 128 tokens of the tile and all BN features (wgmma m64nBNk16,
-// accumulators in registers: BN / 2 floats per thread). The k dimension goes through a ring of
-// NQ_PW_STAGES shared-memory stages on mbarriers: `full` (producer -> consumers: the TMA
-// thread's arrive.expect_tx for X (+ FP8's codes) and, INT4, 128 plain arrivals after the
-// dequantized stores), `raw` (INT4: TMA -> the producer: the packed W words landed) and `empty`
-// (consumers -> producer: one arrival per consumer warp after its wgmma group that read the
-// stage has completed).
+// CTA: FP8, and INT4 at BN > NQ_PW_INT4_2P_MAX_BN (144, 256): 3 warpgroups (384 threads),
+// warpgroup 0 the producer, 1 and 2 the consumers. INT4 at BN <= NQ_PW_INT4_2P_MAX_BN (112, 128):
+// 4 warpgroups (512 threads), 0 and 1 the producers (twice the dequantization rate: INT4 is bound
+// by it, PERFLOG "prefill" v4), 2 and 3 the consumers; no setmaxnreg there (512 threads cap
+// ptxas at 128 registers a thread for the whole kernel, which BN / 2 = 64 accumulators fit; the
+// m64n256 wgmma needs >= 154, hence 1 producer warpgroup at BN 256). Each consumer owns 64 of the
+// BM = 128 tokens of the tile and all BN features (wgmma m64nBNk16, accumulators in registers:
+// BN / 2 floats per thread). The k dimension goes through a ring of NQ_PW_STAGES shared-memory
+// stages on mbarriers: `full` (producers -> consumers: the TMA thread's arrive.expect_tx for X
+// (+ FP8's codes) and, INT4, one plain arrival per producer thread after its dequantized stores)
+// and `empty` (consumers -> producers: one arrival per consumer warp after its wgmma group that
+// read the stage has completed).
 //
 // Stage layout (1024-byte aligned): A = X (or xq), BM rows of 128 bytes of k, written by TMA
 // with CU_TENSOR_MAP_SWIZZLE_128B (row r at 128 r, 16-byte chunk c at (c ^ r % 8) * 16;
@@ -28,18 +32,20 @@
 // swizzle); INT4: the dequantized fp16 W in the non-swizzled core-matrix layout (lab/
 // wgmma_fp8.cu's descriptor): element (r, byte b) at ((r / 8) * 8 + b / 16) * 128 + (r % 8) * 16
 // + b % 16, LBO 128, SBO 1024, k-step s at +256 s; the 8 lanes of a quarter-warp store one core
-// matrix, 128 contiguous bytes: conflict-free. R (INT4): the packed words of the BN weight rows,
-// 32 bytes each (one k-tile of 64), written by TMA without swizzle.
+// matrix, 128 contiguous bytes: conflict-free. R: v4's TMA area for the packed INT4 words, unused
+// since v5 (kept so that the stage size, hence every build's ring depth, FP8's included, is v4's).
 //
-// Producer (128 threads, registers lowered by setmaxnreg.dec):
-//   Thread 0 issues the TMA copies of each k-tile as soon as its stage is empty (tensor
-//   maps in global memory, nanoqwen_lib/gpu/tensor_map.py; rows past T or N are zero-filled).
-//   FP8: that is all. INT4: thread p owns weight rows p (and p + 128 when BN > 128); it waits
-//   `raw`, reads its row's 32 bytes back (2 x ld.shared.v4), dequantizes each word (8
-//   consecutive k) with the scale (loaded NQ_PW_PREFETCH k-tiles ahead into a register ring)
-//   into one 16-byte core-matrix row, then fence.proxy.async.shared::cta (the wgmma and the
-//   next TMA into the stage go through the async proxy) and a plain arrive on `full`.
-// Consumers (registers raised by setmaxnreg.inc): wait `full`, 4 wgmmas (one k-tile), commit;
+// Producers (registers lowered by setmaxnreg.dec in the 384-thread builds):
+//   Thread 0 issues the TMA copies of each k-tile once its stage is empty (tensor maps in global
+//   memory, nanoqwen_lib/gpu/tensor_map.py; rows past T or N are zero-filled). FP8: X and the
+//   codes, that is all. INT4 (v5, v3's W path): X only; every producer thread holds its share of
+//   the packed W words (16 or 32 bytes of a row per k-tile) and the row's scale, loaded by __ldg
+//   PF k-tiles ahead into a register ring; once the stage is empty it dequantizes them straight
+//   into the B tile (each word, 8 consecutive k, into one 16-byte core-matrix row), then
+//   fence.proxy.async.shared::cta (the wgmma and the next TMA into the stage go through the
+//   async proxy) and a plain arrive on `full`.
+// Consumers (registers raised by setmaxnreg.inc in the 384-thread builds): wait `full`, 4
+// wgmmas (one k-tile), commit;
 // wait until one group is pending, i.e. the previous k-tile's group is done, and release its
 // stage. FP8: the tensor core's accumulator keeps fewer bits than FP32 (lab/wgmma_fp8.cu), so each
 // stage (128 k) is summed into a fresh fragment, waited for, and added into the FP32 total.
@@ -50,6 +56,8 @@
 // Split-K (gridDim.z = S > 1): as prefill_gemm.cu (slice z takes k-tiles [z KT/S, (z+1) KT/S);
 // FP32 partials to a workspace, the last CTA of the tile sums them in slice order); only the
 // 256 consumer threads take part (named barrier 1).
+// Launch: blockDim = INT4_THREADS (ops_prefill.wgmma_int4_threads(bn)) for the INT4 kernels,
+// THREADS for the FP8 one.
 #include "hopper.cuh"
 #include "fp8.cuh"
 #include "wgmma_ops.cuh"
@@ -78,6 +86,9 @@
 #ifndef NQ_PW_THREADS
 #error "NQ_PW_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
 #endif
+#ifndef NQ_PW_INT4_2P_MAX_BN
+#error "NQ_PW_INT4_2P_MAX_BN: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
+#endif
 
 static_assert(NQ_LAYOUT_ID == 1, "the INT4 kernels read layout 1 (INT4, ValueShuffle)");
 static_assert(NQ_GROUP_SIZE == 128, "a k-tile of 64 lies inside one scale group");
@@ -88,15 +99,21 @@ constexpr int BN = NQ_PW_BN;
 constexpr int ROW = NQ_PW_ROW_BYTES;         // bytes of k per operand row per stage (128)
 constexpr int BK16 = ROW / 2;                // k per stage, fp16 operands (64; E4M3: ROW = 128)
 constexpr int STAGES = NQ_PW_STAGES;
-constexpr int THREADS = NQ_PW_THREADS;
-constexpr int RPT = (BN + 127) / 128;        // weight rows per producer thread
+constexpr int THREADS = NQ_PW_THREADS;       // FP8 (and INT4 at BN > NQ_PW_INT4_2P_MAX_BN): 1 producer + 2 consumer WGs
+// INT4 / SwiGLU at BN <= NQ_PW_INT4_2P_MAX_BN: 2 producer warpgroups (twice the dequantization
+// rate) + 2 consumers, 512 threads. 512 threads cap ptxas at 128 registers a thread for the whole
+// kernel (setmaxnreg cannot raise the compile-time budget: m64n256 needs >= 154), so the wider
+// tiles keep 1 producer warpgroup and 384 threads.
+constexpr int INT4_PWGS = BN <= NQ_PW_INT4_2P_MAX_BN ? 2 : 1;
+constexpr int INT4_THREADS = 128 * (INT4_PWGS + 2);
 constexpr int PF = NQ_PW_PREFETCH;           // scale register ring depth (k-tiles ahead)
 // A stage: A (X, BM rows of 128 bytes, 128B swizzle), B (BN operand rows of 128 bytes), R (INT4:
 // the packed words of the BN weight rows, 32 bytes each, padded to 1 KiB; unused by FP8).
 constexpr int A_BYTES = BM * ROW, B_BYTES = BN * ROW, R_BYTES = (BN * 32 + 1023) / 1024 * 1024;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES + R_BYTES;
 constexpr uint32_t LBO = 128, SBO = 1024;
-static_assert(BM == 128 && THREADS == 384, "1 producer + 2 consumer warpgroups, 64 tokens each");
+static_assert(BM == 128 && THREADS == 384, "FP8: 1 producer + 2 consumer warpgroups, 64 tokens each");
+static_assert(NQ_PW_INT4_2P_MAX_BN <= 128, "512 threads: 128 registers a thread, BN / 2 accumulators");
 static_assert(ROW == 128, "a stage row is 8 chunks of 16 bytes (the core-matrix layout above)");
 static_assert(BN % 16 == 0 && BN >= 64 && BN <= 256, "BN: a multiple of 16 in 64..256 (wgmma N, SwiGLU halves)");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
@@ -105,6 +122,7 @@ static_assert(BM <= 256 && BN <= 256, "a TMA box dimension holds at most 256 row
 static_assert(NQ_PW_PRODUCER_REGS * 128 + NQ_PW_CONSUMER_REGS * 256 <= 65536, "register file: 64K");
 
 enum Mode { kInt4 = 0, kSwiglu = 1, kFp8 = 2 };
+template <int MODE> constexpr int kProducerWGs = MODE == kFp8 ? 1 : INT4_PWGS;
 
 __device__ __forceinline__ uint32_t core_off(int r, int chunk) { return ((r >> 3) * 8 + chunk) * 128 + (r & 7) * 16; }
 // The dequantized INT4 B tile: no swizzle, core matrices (LBO 128, SBO 1024); k-step s at +256 s.
@@ -168,14 +186,14 @@ struct Problem {
 // ---- producer ------------------------------------------------------------------------------
 template <int MODE>
 __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
-                                         uint64_t* raw, int m0, int n0, int kt0, int nkt) {
-  const int tid = threadIdx.x;   // 0..127
+                                         int pwg, int m0, int n0, int kt0, int nkt) {
+  const int tid = threadIdx.x & 127;   // within the producer warpgroup pwg
   const uint32_t base = hopper::smem_u32(smem);
   hopper::MbarRing<STAGES> ring;
   // Thread 0 issues the TMA copies: X's box (BM rows from m0, 128 bytes of k), zero-filled past T.
-  if (tid == 0) {
+  if (threadIdx.x == 0) {
     hopper::prefetch_tensor_map(p.xmap);
-    hopper::prefetch_tensor_map(p.wmap);
+    if constexpr (MODE == kFp8) hopper::prefetch_tensor_map(p.wmap);
   }
   if constexpr (MODE == kFp8) {
     if (tid != 0) return;
@@ -189,61 +207,54 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       ring.advance();
     }
   } else {
-    // Weight row b of the B tile: W row n0 + b, or for SwiGLU (n0 = the feature offset) gate
-    // row n0 + b (b < BN/2) and up row I + n0 + b - BN/2. The packed words come by TMA into
-    // the stage's raw area (row b's 32 bytes at R + 32 b; rows past the tensor zero-filled),
-    // up to STAGES k-tiles ahead; the scales by __ldg, PF k-tiles ahead, in registers.
-    const int I = p.N / 2, G = p.K / NQ_GROUP_SIZE;
-    const unsigned short* srow[RPT];
-    bool wok[RPT];
+    // INT4 (v5): INT4_PWGS producer warpgroups, NPT threads, q = 0..NPT-1. The B tile's BN weight
+    // rows split into BN * INT4_PWGS units of WPU packed words (a k-tile's 8 words of the row, or
+    // half of them with 2 producer warpgroups): unit u is row b = u % BN, part h = u / BN; thread
+    // q takes units q + NPT i (i < UPT). Weight row b: W row n0 + b, or for SwiGLU (n0 = the
+    // feature offset) gate row n0 + b (b < BN/2) and up row I + n0 + b - BN/2. Words and scales
+    // by __ldg, PF k-tiles ahead, in registers (rows past the tensor: zeros); dequantized
+    // straight into the stage's B tile once the stage is empty. A quarter-warp stores 8
+    // consecutive rows of one chunk: one 128-byte core matrix, conflict-free.
+    constexpr int NPT = 128 * INT4_PWGS;                    // producer threads
+    constexpr int WPU = 8 / INT4_PWGS, VPU = WPU / 4;       // words / uint4 per unit
+    constexpr int UPT = (BN * INT4_PWGS + NPT - 1) / NPT;   // units per producer thread
+    // Register ring depth: 2 rows x 9 registers a k-tile at BN > 128 (1 producer warpgroup, 96
+    // registers): 3 k-tiles (4 spill); ~1.7 us a k-tile at bn 256 covers the global latency.
+    constexpr int PF = UPT * VPU >= 2 && NQ_PW_PREFETCH > 3 ? 3 : NQ_PW_PREFETCH;
+    const int q = tid + 128 * pwg;
+    const int I = p.N / 2, G = p.K / NQ_GROUP_SIZE, KW = p.K / 8;
+    const uint4* wrow[UPT];
+    const unsigned short* srow[UPT];
+    bool wok[UPT];
+    uint32_t dst0[UPT];
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-      const int b = tid + 128 * r;
+    for (int i = 0; i < UPT; ++i) {
+      const int u = q + NPT * i, b = u % BN, h = u / BN;
       int n;
       if constexpr (MODE == kSwiglu) {
         const int f = n0 + (b % (BN / 2));
-        wok[r] = b < BN && f < I;
+        wok[i] = u < BN * INT4_PWGS && f < I;
         n = (b < BN / 2 ? 0 : I) + f;
       } else {
         n = n0 + b;
-        wok[r] = b < BN && n < p.N;
+        wok[i] = u < BN * INT4_PWGS && n < p.N;
       }
-      n = wok[r] ? n : 0;
-      srow[r] = reinterpret_cast<const unsigned short*>(static_cast<const half*>(p.scales) + (size_t)n * G);
+      n = wok[i] ? n : 0;
+      wrow[i] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.w) + (size_t)n * KW) + h * VPU;
+      srow[i] = reinterpret_cast<const unsigned short*>(static_cast<const half*>(p.scales) + (size_t)n * G);
+      dst0[i] = A_BYTES + core_off(b, h * WPU);
     }
-    uint32_t sc[PF][RPT];
+    uint4 wv[PF][UPT][VPU];
+    uint32_t sc[PF][UPT];
     auto load = [&](int d, int kt) {   // d: a compile-time constant at every call (unrolled)
 #pragma unroll
-      for (int r = 0; r < RPT; ++r)
-        sc[d][r] = wok[r] ? (uint32_t)__ldg(srow[r] + (kt * BK16) / NQ_GROUP_SIZE) * 0x10001u : 0u;
-    };
-    // Thread 0: the TMA copies of k-tile kk (X into A, the packed W into R) once its stage is empty
-    // (k-tiles in order: the ring `tma` follows them).
-    hopper::MbarRing<STAGES> tma;
-    auto issue = [&](int kk) {
-      hopper::mbar_wait(&empty[tma.stage], tma.phase ^ 1u);
-      unsigned char* st = smem + tma.stage * STAGE_BYTES;
-      hopper::mbar_arrive_expect_tx(&full[tma.stage], A_BYTES);
-      hopper::tensor_copy_2d_g2s(st, p.xmap, (kt0 + kk) * BK16, m0, &full[tma.stage]);
-      hopper::mbar_arrive_expect_tx(&raw[tma.stage], BN * 32);
-      const int kw = (kt0 + kk) * (BK16 / 8);   // uint32 words of k
-      if constexpr (MODE == kSwiglu) {
-        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES, p.wmap, kw, n0, &raw[tma.stage]);
-        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES + (BN / 2) * 32, p.wmap, kw, I + n0, &raw[tma.stage]);
-      } else {
-        hopper::tensor_copy_2d_g2s(st + A_BYTES + B_BYTES, p.wmap, kw, n0, &raw[tma.stage]);
+      for (int i = 0; i < UPT; ++i) {
+#pragma unroll
+        for (int v = 0; v < VPU; ++v)   // 8 words (2 uint4) per row and k-tile
+          wv[d][i][v] = wok[i] ? __ldg(wrow[i] + kt * 2 + v) : make_uint4(0u, 0u, 0u, 0u);
+        sc[d][i] = wok[i] ? (uint32_t)__ldg(srow[i] + (kt * BK16) / NQ_GROUP_SIZE) * 0x10001u : 0u;
       }
-      tma.advance();
     };
-    // Thread 0 keeps as many k-tiles in flight as there are empty stages, without blocking
-    // (a blocked lane 0 would hold warp 0's dequantization): after each arrival it issues the
-    // copies whose stage the consumers have released; it blocks only when the k-tile it is about
-    // to dequantize has not been issued yet (that stage's release needs nothing from warp 0).
-    int issued = 0;
-    auto issue_ready = [&]() {
-      while (issued < nkt && mbar_test(&empty[tma.stage], tma.phase ^ 1u)) issue(issued++);
-    };
-    if (tid == 0) issue_ready();   // every stage is empty: min(STAGES, nkt) k-tiles
 #pragma unroll
     for (int d = 0; d < PF; ++d)
       if (d < nkt) load(d, kt0 + d);
@@ -252,31 +263,29 @@ __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, 
       for (int d = 0; d < PF; ++d) {
         const int kk = kb + d;
         if (kk >= nkt) break;
-        if (tid == 0)
-          while (issued <= kk) issue(issued++);
-        // raw[kk] complete: its stage was empty (thread 0 waited before the copies) and W landed.
-        hopper::mbar_wait(&raw[ring.stage], ring.phase);
+        hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
+        unsigned char* stp = smem + ring.stage * STAGE_BYTES;
+        if (q == 0) {   // X by TMA: one elected thread, expect_tx (full: 1 + NPT arrivals)
+          hopper::mbar_arrive_expect_tx(&full[ring.stage], A_BYTES);
+          hopper::tensor_copy_2d_g2s(stp, p.xmap, (kt0 + kk) * BK16, m0, &full[ring.stage]);
+        }
         const uint32_t st = base + ring.stage * STAGE_BYTES;
 #pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-          const int b = tid + 128 * r;
-          if (b < BN) {
-            const uint4 wa = lds128(st + A_BYTES + B_BYTES + 32 * b), wb = lds128(st + A_BYTES + B_BYTES + 32 * b + 16);
-            const uint32_t dst = st + A_BYTES + core_off(b, 0);
-            store_dequant(dst + 0 * 128, wa.x, sc[d][r]);
-            store_dequant(dst + 1 * 128, wa.y, sc[d][r]);
-            store_dequant(dst + 2 * 128, wa.z, sc[d][r]);
-            store_dequant(dst + 3 * 128, wa.w, sc[d][r]);
-            store_dequant(dst + 4 * 128, wb.x, sc[d][r]);
-            store_dequant(dst + 5 * 128, wb.y, sc[d][r]);
-            store_dequant(dst + 6 * 128, wb.z, sc[d][r]);
-            store_dequant(dst + 7 * 128, wb.w, sc[d][r]);
+        for (int i = 0; i < UPT; ++i) {
+          if (q + NPT * i < BN * INT4_PWGS) {
+            const uint32_t dst = st + dst0[i];
+#pragma unroll
+            for (int v = 0; v < VPU; ++v) {
+              store_dequant(dst + (4 * v + 0) * 128, wv[d][i][v].x, sc[d][i]);
+              store_dequant(dst + (4 * v + 1) * 128, wv[d][i][v].y, sc[d][i]);
+              store_dequant(dst + (4 * v + 2) * 128, wv[d][i][v].z, sc[d][i]);
+              store_dequant(dst + (4 * v + 3) * 128, wv[d][i][v].w, sc[d][i]);
+            }
           }
         }
         hopper::fence_proxy_async_smem();
         hopper::mbar_arrive(&full[ring.stage]);
         if (kk + PF < nkt) load(d, kt0 + kk + PF);
-        if (tid == 0) issue_ready();
         ring.advance();
       }
     }
@@ -291,6 +300,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
   const bool leader = (threadIdx.x & 31) == 0;
   hopper::MbarRing<STAGES> ring;
   int prev = -1;
+  // [wgmma-consumer]
   for (int kk = 0; kk < nkt; ++kk) {
     hopper::mbar_wait(&full[ring.stage], ring.phase);
     const uint32_t a = base + ring.stage * STAGE_BYTES + wg * (64 * ROW);
@@ -316,6 +326,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
     }
     ring.advance();
   }
+  // [/wgmma-consumer]
   if constexpr (MODE != kFp8) {
     hopper::wgmma_wait<0>();
     if (prev >= 0 && leader) hopper::mbar_arrive(&empty[prev]);
@@ -402,19 +413,18 @@ __device__ __forceinline__ void epilogue(const Problem& p, const float (&acc)[BN
   }
 }
 
-// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + the 3 STAGES barriers.
+// Dynamic shared memory: STAGES * STAGE_BYTES + 1024 (alignment) + 3 STAGES barriers (2 used since v5).
 template <int MODE>
 __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* counters) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (hopper::smem_u32(smem_raw) & 1023u)) & 1023u);   // 1024-aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
   uint64_t* empty = full + STAGES;
-  uint64_t* raw = empty + STAGES;
+  constexpr int NPWG = kProducerWGs<MODE>;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      hopper::mbar_init(&full[s], MODE == kFp8 ? 1 : 129);   // TMA thread's expect_tx (+ 128 dequant arrivals)
+      hopper::mbar_init(&full[s], MODE == kFp8 ? 1 : 1 + 128 * NPWG);   // TMA thread's expect_tx (+ 256 dequant arrivals)
       hopper::mbar_init(&empty[s], 8);   // one arrival per consumer warp
-      hopper::mbar_init(&raw[s], 1);     // INT4: thread 0's expect_tx for the packed W
     }
     hopper::fence_mbarrier_init();
   }
@@ -424,26 +434,27 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
   const int KT = p.K / ROW * (MODE == kFp8 ? 1 : 2);   // stages of 128 bytes of k per row
   const int kt0 = (blockIdx.z * KT) / gridDim.z, nkt = ((blockIdx.z + 1) * KT) / gridDim.z - kt0;
   const int wg = threadIdx.x / 128;
-  if (wg == 0) {
-    hopper::setmaxnreg_dec<NQ_PW_PRODUCER_REGS>();
-    producer<MODE>(p, smem, full, empty, raw, m0, n0, kt0, nkt);
+  if (wg < NPWG) {
+    if constexpr (NPWG == 1) hopper::setmaxnreg_dec<NQ_PW_PRODUCER_REGS>();   // 512 threads: 128 each, as compiled
+    producer<MODE>(p, smem, full, empty, wg, m0, n0, kt0, nkt);
   } else {
-    hopper::setmaxnreg_inc<NQ_PW_CONSUMER_REGS>();
+    if constexpr (NPWG == 1) hopper::setmaxnreg_inc<NQ_PW_CONSUMER_REGS>();
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    mainloop<MODE>(acc, smem, full, empty, wg - 1, nkt);
-    if (gridDim.z > 1 && !reduce_split(acc, ws, counters, threadIdx.x - 128)) return;
-    epilogue<MODE>(p, acc, m0, n0, wg - 1);
+    mainloop<MODE>(acc, smem, full, empty, wg - NPWG, nkt);
+    if (gridDim.z > 1 && !reduce_split(acc, ws, counters, threadIdx.x - 128 * NPWG)) return;
+    epilogue<MODE>(p, acc, m0, n0, wg - NPWG);
   }
 }
 }  // namespace pw
 
 // INT4: x fp16 [T, K]; qw uint32 [N, K/8]; scales fp16 [N, K/128]; N % 8 == 0, K % 128 == 0.
 // ws fp32 / counters int32 (zero): split-K (gridDim.z > 1) only. Grid (ceil(T/128), ceil(N/BN), S).
-// xmap / wmap: device tensor maps (ops_prefill.xmap: X boxes of 128 rows x 64 halves, 128B swizzle;
+// xmap / wmap: device tensor maps (ops_prefill.xmap: X boxes of 128 rows x 64 halves, 128B swizzle; since v5
+// the INT4 kernels read wmap not (kept in the signature);
 // ops_prefill.wmap_int4: qw boxes of BN rows (SwiGLU: BN/2) x 8 words, no swizzle).
-extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
+extern "C" __global__ void __launch_bounds__(pw::INT4_THREADS, 1)
 nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
                  const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters,
                  const hopper::TensorMap* xmap, const hopper::TensorMap* wmap) {
@@ -451,7 +462,7 @@ nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, co
 }
 
 // SwiGLU: qw / scales of gate_up [2I, K]; act fp16 [T, I]; I % 8 == 0. Grid (ceil(T/128), ceil(I/(BN/2)), S).
-extern "C" __global__ void __launch_bounds__(pw::THREADS, 1)
+extern "C" __global__ void __launch_bounds__(pw::INT4_THREADS, 1)
 nq_prefill_wgmma_swiglu(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
                         half* act, int T, int N2, int K, float* ws, int* counters, const hopper::TensorMap* xmap,
                         const hopper::TensorMap* wmap) {

@@ -102,7 +102,35 @@ def test_prefill_projection_kernels_per_gemm(recorded, gemm, dims_name, t, start
                 del recorded[:]
                 launch()
                 got[name] = [c[0] for c in recorded]
+                for kname, _, block in recorded:   # the wgmma block size per kernel (v5: INT4 bn <= 128: 512)
+                    if kname == "nq_prefill_wgmma_fp8":
+                        assert block == (ops_prefill.WGMMA_THREADS,), (kname, block)
+                    elif kname.startswith("nq_prefill_wgmma"):
+                        assert block[0] in (ops_prefill.WGMMA_THREADS, 512), (kname, block)
         assert got == want, (encoding, gemm)
+
+
+@pytest.mark.parametrize("bn,split", [(112, 1), (128, 1), (128, 3), (144, 2), (256, 1)])
+def test_int4_wgmma_block_size_follows_the_build(recorded, bn, split):
+    """nq_prefill_wgmma[_swiglu] built with bn <= NQ_PW_INT4_2P_MAX_BN runs 2 producer warpgroups
+    (512 threads), the wider builds 384: the launchers pass the build's block size."""
+    import numpy as np
+    from nanoqwen_lib.gpu.ops_prefill import gemm_int4, gemm_int4_gate_up_swiglu, wgmma_int4_threads
+    want = 512 if bn <= ops_prefill.WGMMA_INT4_2P_MAX_BN else 384
+    assert wgmma_int4_threads(bn) == want
+    from .stand_in import HostDeviceArray
+
+    def zeros(shape, dtype):   # 128-byte aligned host arrays that pass the device-buffer checks
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw = np.zeros(n + 128, np.uint8)
+        base = (-raw.__array_interface__["data"][0]) % 128
+        return raw[base: base + n].view(dtype).reshape(shape).view(HostDeviceArray)
+    t, n, k = 130, 512, 1024
+    x = zeros((t, k), np.float16)
+    words, scales = zeros((n, k // 8), np.uint32), zeros((n, k // 128), np.float16)
+    gemm_int4(x, words, scales, zeros((t, n), np.float16), kernel="wgmma", bn=bn, split=split)
+    gemm_int4_gate_up_swiglu(x, words, scales, zeros((t, n // 2), np.float16), bn=bn, split=split)
+    assert [(c[0], c[2]) for c in recorded] == [("nq_prefill_wgmma", (want,)), ("nq_prefill_wgmma_swiglu", (want,))]
 
 
 def test_each_encoding_names_its_own_prefill_gemms():

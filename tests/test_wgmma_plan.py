@@ -30,12 +30,21 @@ def test_plan_is_a_build_and_fits_the_workspace(model, t):
         assert split == 1 or split * tiles * op.WGMMA_BM * bn <= op.WS_FLOATS
 
 
+V4_FP8_PICKS = {(4608, 3584): (112, 2), (3584, 3584): (112, 1), (37888, 3584): (128, 1), (3584, 18944): (112, 1)}
+
+
 def test_plan_at_512_tokens():
     """T = 512 (7B): the picks nanoqwen.yaml lists (tuning: prefill_wgmma), the v3 H200 run's
-    best for every shape but qkv (bn 256 s1 there, 98 us vs 110 for bn 144 s1)."""
-    want = {(4608, 3584): (144, 1), (3584, 3584): (256, 2), (37888, 3584): (256, 1), (3584, 18944): (256, 2)}
+    best for every shape (qkv bn 256 s1 98 us, o_proj bn 256 s2 81.6, gate_up bn 256 s1 422,
+    down bn 256 s2 272.5); FP8's plan is v4's (no INT4 producer cost)."""
+    want = {(4608, 3584): (256, 1), (3584, 3584): (256, 2), (37888, 3584): (256, 1), (3584, 18944): (256, 2)}
     for (n, k), pick in want.items():
         assert op.plan_wgmma(512, n, k) == pick, (n, k)
+    # FP8 (int4=False): v4's model, measured 558 us a layer; pinned so that INT4 tuning leaves it alone
+    from nanoqwen_lib.gpu import ops_fp8
+    for n, k in want:
+        got = op.plan_wgmma(512, n, k, stage_k=op.WGMMA_ROW_BYTES, bns=ops_fp8.WGMMA_FP8_BN_CHOICES, int4=False)
+        assert got == V4_FP8_PICKS[(n, k)], (n, k, got)
 
 
 def test_stages_fill_shared_memory():

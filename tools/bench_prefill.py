@@ -176,7 +176,13 @@ def bench_fp8_gemms(dims, t, rng, warmup, reps):
     return rows
 
 
-def bench_wgmma(dims, t, rng, warmup, reps, sweep=True):
+# --quick: the INT4 (bn, split) candidates per shape (v3's best, bn256, and bn 128 / 112 with the v5
+# kernel's 2 producer warpgroups), FP8 the plan only.
+QUICK_INT4 = {"qkv": ((256, 1), (144, 1), (128, 1), (112, 1)), "o_proj": ((256, 2), (128, 1), (112, 1), (128, 2)),
+              "gate_up": ((256, 1), (128, 1), (112, 1)), "down": ((256, 2), (256, 4), (128, 1), (112, 1), (128, 2))}
+
+
+def bench_wgmma(dims, t, rng, warmup, reps, sweep=True, quick=False):
     """The four GEMMs of a layer (issue 17): wgmma (the plan, and with --sweep every BN build
     at split 1 and split-K 2..4) vs mma.sync (its plan) vs torch fp16 matmul (cuBLAS, dense
     fp16 weights) in the same process; gate_up also fused with the SwiGLU (act [T, I] out);
@@ -198,9 +204,10 @@ def bench_wgmma(dims, t, rng, warmup, reps, sweep=True):
         bn, split = ops_prefill.plan_wgmma(t, n, k)
         cands = {f"wgmma plan bn{bn} s{split}": add(f"wgmma plan bn{bn} s{split}", median_us(
             lambda: ops_prefill.gemm_int4(x, words, scales, out, bias=bias, residual=res, kernel="wgmma"), warmup, reps))}
-        if sweep:
-            for b in ops_prefill.WGMMA_BN_CHOICES:
-                for sp in (1, 2, 3, 4) if n <= 8192 else (1,):
+        if sweep or quick:
+            pairs = (QUICK_INT4.get(proj, ()) if quick else
+                     [(b, sp) for b in ops_prefill.WGMMA_BN_CHOICES for sp in ((1, 2, 3, 4) if n <= 8192 else (1,))])
+            for b, sp in pairs:
                     if (b, sp) == (bn, split):
                         continue
                     name = f"wgmma bn{b} s{sp}"
@@ -224,6 +231,9 @@ def bench_wgmma(dims, t, rng, warmup, reps, sweep=True):
                 lambda: ops_prefill.gemm_int4_gate_up_swiglu(x, words, scales, act), warmup, reps))
             us_act = median_us(lambda: ops_prefill.swiglu_act(gu, act), warmup, reps)
             summary[proj].update(fused_us=fused, swiglu_act_us=us_act)
+            if quick:   # bn 128: the 2-producer-warpgroup build (v5)
+                add("wgmma fused swiglu bn128 s1", median_us(
+                    lambda: ops_prefill.gemm_int4_gate_up_swiglu(x, words, scales, act, bn=128, split=1), warmup, reps))
         # FP8: E4M3 codes over every finite value, both signs
         codes = cp.asarray(rng.integers(0, 0x7F, size=(n, k), dtype=np.uint8) | (rng.integers(0, 2, size=(n, k),
                            dtype=np.uint8) << 7))
@@ -232,7 +242,7 @@ def bench_wgmma(dims, t, rng, warmup, reps, sweep=True):
         ops_fp8.quantize_rows_fp8(x, xq, ts)
         f8w = add("fp8 wgmma plan", median_us(lambda: ops_fp8.gemm_fp8(xq, ts, codes, s8, out, bias=bias, residual=res,
                                                                       kernel="wgmma"), warmup, reps))
-        if sweep:
+        if sweep and not quick:
             for b in ops_fp8.WGMMA_FP8_BN_CHOICES:
                 for sp in (1, 2) if n <= 8192 else (1,):
                     try:
@@ -298,13 +308,14 @@ def main(argv=None):
     ap.add_argument("--fp8", action="store_true", help="only the FP8 GEMMs, mma_sync against wgmma (PEAK is FP16's)")
     ap.add_argument("--wgmma", action="store_true", help="the four GEMMs: wgmma vs mma.sync vs cuBLAS, INT4 and FP8")
     ap.add_argument("--no-sweep", action="store_true", help="with --wgmma: the plans only, no BN / split sweep")
+    ap.add_argument("--quick", action="store_true", help="with --wgmma: INT4 plan + QUICK_INT4 candidates, FP8 plan only")
     args = ap.parse_args(argv)
     import cupy as cp
     dims = config.load().model("7b")
     rng = np.random.default_rng(0)
     t = args.tokens
     if args.wgmma:
-        rows, summary = bench_wgmma(dims, t, rng, args.warmup, args.reps, sweep=not args.no_sweep)
+        rows, summary = bench_wgmma(dims, t, rng, args.warmup, args.reps, sweep=not args.no_sweep, quick=args.quick)
         tot = print_wgmma(dims, t, rows, summary)
         if args.json:
             args.json.write_text(json.dumps({"tokens": t, "rows": rows, "summary": summary, "layer_us": tot,

@@ -123,7 +123,8 @@ def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, *, kernel="mm
         if n % 8:
             raise NanoqwenError(where, "codes.shape[0]", "N a multiple of 8 (kernel='wgmma')", n)
         if bn is None or split is None:
-            pbn, psplit = op.plan_wgmma(t, n, k, stage_k=op.WGMMA_ROW_BYTES, bns=WGMMA_FP8_BN_CHOICES)
+            pbn, psplit = op.plan_wgmma(t, n, k, stage_k=op.WGMMA_ROW_BYTES, bns=WGMMA_FP8_BN_CHOICES,
+                                        int4=False)
             bn, split = bn or pbn, split or psplit
         if bn not in WGMMA_FP8_BN_CHOICES:
             raise NanoqwenError(where, "bn", f"one of {WGMMA_FP8_BN_CHOICES}", bn)

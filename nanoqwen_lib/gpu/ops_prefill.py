@@ -60,12 +60,21 @@ WS_COUNTERS = 1 << 16            # one counter per output tile
 _PW = load().geometry["prefill_wgmma"]
 _PWT = load().tuning["prefill_wgmma"].defines
 WGMMA_BM, WGMMA_ROW_BYTES, WGMMA_THREADS = _PW["NQ_PW_BM"], _PW["NQ_PW_ROW_BYTES"], _PW["NQ_PW_THREADS"]
+WGMMA_INT4_2P_MAX_BN = _PW["NQ_PW_INT4_2P_MAX_BN"]   # INT4 / SwiGLU builds with bn <= this: 2 producer warpgroups
+
+
+def wgmma_int4_threads(bn: int) -> int:
+    """Block size of nq_prefill_wgmma[_swiglu] built with NQ_PW_BN = bn (the kernel's INT4_THREADS):
+    512 (2 dequantizing producer warpgroups + 2 consumers) for bn <= NQ_PW_INT4_2P_MAX_BN, else
+    WGMMA_THREADS (384: 1 + 2). The FP8 kernel is always WGMMA_THREADS."""
+    return 512 if bn <= WGMMA_INT4_2P_MAX_BN else WGMMA_THREADS
 WGMMA_BK = WGMMA_ROW_BYTES // 2      # k per stage (fp16 operands)
 WGMMA_STAGES = _PWT["NQ_PW_STAGES"]
 WGMMA_BN = _PWT["NQ_PW_BN"]
 WGMMA_BN_CHOICES = (112, 128, 144, 256)   # the builds (the file's nq-variants line + the default)
 WGMMA_FILL_KTILES = 4                # prologue + epilogue of a CTA in k-tile times (plan_wgmma's wave model)
 WGMMA_SPLIT_MAX = 4                  # split-K slices the plan considers (measured up to 4; the model ignores the reduction)
+WGMMA_SPLIT_KTILES = 4               # INT4: each extra split-K slice costs the CTA this many k-tiles (v3: qkv bn 256 s3 112 us vs s1 98)
 WGMMA_KTILE_OVERHEAD = 128           # a k-tile costs bn + this (the v3 H200 fit: bn 256 / bn 128 = 1.32x)
 GEMM_KERNELS = ("wgmma", "mma")
 DEFAULT_GEMM_KERNEL = "mma"          # gemm_int4's kernel when none is named: "wgmma" once its GPU tests pass
@@ -258,14 +267,26 @@ def wgmma_smem_bytes(bn: int, stages: int | None = None) -> int:
     return stages * wgmma_stage_bytes(bn) + 1024 + 3 * stages * 8
 
 
-def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_CHOICES) -> tuple[int, int]:
+def wgmma_int4_ktile_bn(bn: int) -> int:
+    """The bn an INT4 k-tile costs like (plan_wgmma): the 384-thread builds' producer threads own
+    ceil(bn / 128) weight rows each, so their dequantization takes as long as at 128 * that (bn 144
+    like bn 256: v3 measured qkv bn 144 s1 110 us against bn 256 s1 98); the 512-thread builds
+    (2 producer warpgroups, bn <= 128) cost bn."""
+    return bn if wgmma_int4_threads(bn) == 512 else 128 * -(-bn // 128)
+
+
+def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_CHOICES,
+               int4: bool = True) -> tuple[int, int]:
     """(bn, split) for a [t, k] x [n, k]^T GEMM on the wgmma kernel (n: output features; for
     the fused gate_up SwiGLU the 2 I weight rows). Wave model: a CTA's k-tile costs time in
     proportion to bn + WGMMA_KTILE_OVERHEAD (tensor-core time plus a per-k-tile cost, fit to
     the H200: nanoqwen.yaml lists the picks at T = 512); rounds of ceil(ctas / SMs) waves
     times (k-tiles per slice + WGMMA_FILL_KTILES); split-K only where a slice keeps
     SPLIT_MIN_KTILES k-tiles and the partials fit the workspace. Ties go to the larger bn
-    (fewer re-reads of X), then to no split."""
+    (fewer re-reads of X), then to no split. int4 (the INT4 kernels): a k-tile costs
+    wgmma_int4_ktile_bn(bn) + WGMMA_KTILE_OVERHEAD and a CTA of split s adds (s - 1) *
+    WGMMA_SPLIT_KTILES k-tiles (the reduction); FP8 (int4=False): bn + that, no reduction term
+    (v4's plan, unchanged)."""
     sms, ktiles = num_sms(), k // stage_k
     best = None
     for bn in bns:
@@ -274,7 +295,9 @@ def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_
             if s > 1 and (ktiles // s < SPLIT_MIN_KTILES or s * tiles * WGMMA_BM * bn > WS_FLOATS
                           or tiles > WS_COUNTERS):
                 continue
-            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES) * (bn + WGMMA_KTILE_OVERHEAD)
+            kbn = wgmma_int4_ktile_bn(bn) if int4 else bn
+            red = (s - 1) * WGMMA_SPLIT_KTILES if int4 else 0
+            cost = -(-tiles * s // sms) * (-(-ktiles // s) + WGMMA_FILL_KTILES + red) * (kbn + WGMMA_KTILE_OVERHEAD)
             key = (cost, -bn, s)
             if best is None or key < best[0]:
                 best = (key, bn, s)
@@ -323,7 +346,7 @@ def _launch_wgmma(fn: str, kernel: str, x, qweight, scales, out, bias, residual,
     bn, split, stages, grid = _wgmma_grid(where, t, n, k, bn, split, stages, WGMMA_BK, n)
     ws, counters = workspace() if split > 1 else (None, None)
     _wgmma_kernel(kernel, bn, stages)(
-        grid, (WGMMA_THREADS,),
+        grid, (wgmma_int4_threads(bn),),
         (x, qweight, scales, _ptr(bias), _ptr(residual), out, np.int32(t), np.int32(n), np.int32(k),
          _ptr(ws), _ptr(counters), xmap(x, WGMMA_BK), wmap_int4(qweight, bn)),
         shared_mem=wgmma_smem_bytes(bn, stages))
@@ -354,7 +377,7 @@ def gemm_int4_gate_up_swiglu(x, qweight, scales, act, *, bn=None, split=None, st
         raise LimitError(where, "split-K workspace", "fits", f"split {split}", "a smaller split")
     ws, counters = workspace() if split > 1 else (None, None)
     _wgmma_kernel("nq_prefill_wgmma_swiglu", bn, stages)(
-        grid, (WGMMA_THREADS,),
+        grid, (wgmma_int4_threads(bn),),
         (x, qweight, scales, act, np.int32(t), np.int32(n2), np.int32(k), _ptr(ws), _ptr(counters),
          xmap(x, WGMMA_BK), wmap_int4(qweight, bn // 2)),
         shared_mem=wgmma_smem_bytes(bn, stages))
