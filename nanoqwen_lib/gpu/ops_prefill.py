@@ -268,11 +268,12 @@ def wgmma_smem_bytes(bn: int, stages: int | None = None) -> int:
 
 
 def wgmma_int4_ktile_bn(bn: int) -> int:
-    """The bn an INT4 k-tile costs like (plan_wgmma): the 384-thread builds' producer threads own
-    ceil(bn / 128) weight rows each, so their dequantization takes as long as at 128 * that (bn 144
-    like bn 256: v3 measured qkv bn 144 s1 110 us against bn 256 s1 98); the 512-thread builds
-    (2 producer warpgroups, bn <= 128) cost bn."""
-    return bn if wgmma_int4_threads(bn) == 512 else 128 * -(-bn // 128)
+    """What an INT4 k-tile costs in plan_wgmma's units (the k-tile then costs this +
+    WGMMA_KTILE_OVERHEAD), fit to the v5 H200 run at T = 512 (PERFLOG, prefill v5; per-k-tile
+    times of one-wave grids): the 512-thread builds (2 producer warpgroups, bn <= 128) bn + 12;
+    the 384-thread builds' single producer makes bn 144 cost 234 and bn 256 cost 352 (qkv
+    bn 144 s1 87.5 us, bn 256 s1 115.9, bn 112 s1 120.3; o_proj bn 112 s1 100.4)."""
+    return {144: 234, 256: 352}.get(bn, bn + 12) if wgmma_int4_threads(bn) != 512 else bn + 12
 
 
 def plan_wgmma(t: int, n: int, k: int, *, stage_k: int = WGMMA_BK, bns=WGMMA_BN_CHOICES,
