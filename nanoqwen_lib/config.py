@@ -308,7 +308,7 @@ class KVCacheSpec:
 @dataclass(frozen=True)
 class EngineSpec:
     prefill_chunk_tokens: int    # prompt tokens per tensor-core prefill pass (activation buffers)
-    prefill_gemm: str            # the prefill projections' GEMM: "wgmma" (sm_90a) or "mma" (mma.sync)
+    prefill_gemm: dict           # weight encoding -> the prefill projections' GEMM: "wgmma" (sm_90a) or "mma"
 
 
 @dataclass(frozen=True)

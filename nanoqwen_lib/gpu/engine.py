@@ -119,8 +119,7 @@ class GpuBackend:
                  prefill: str = "tensor-core", prefill_gemm: str | None = None):
         if prefill not in PREFILL_MODES:               # refused before anything touches the GPU
             raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
-        prefill_gemm = prefill_gemm or load().engine.prefill_gemm
-        if prefill_gemm not in PREFILL_GEMMS:
+        if prefill_gemm is not None and prefill_gemm not in PREFILL_GEMMS:
             raise LimitError("<engine>", "prefill_gemm", f"one of {PREFILL_GEMMS}", repr(prefill_gemm))
         import cupy as cp
         from nanoqwen_lib.gpu import ops_attention, ops_decode, ops_prefill
@@ -130,7 +129,7 @@ class GpuBackend:
         self.encoding = nq_file.encoding
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
         self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding), source=nq_file.path)
-        self.proj = ENCODINGS[self.encoding](a, prefill_gemm)
+        self.proj = ENCODINGS[self.encoding](a, prefill_gemm or load().engine.prefill_gemm[self.encoding])
         tensors = nq_file.model_tensors()      # validated before this point (NanoqwenFile.open)
         for src, dst, row in weight_sources(dims):
             a.upload(dst, tensors[src], row)
