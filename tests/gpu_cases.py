@@ -18,6 +18,20 @@ def rand_int4(rng, n, k):
     return words, scales
 
 
+def swiglu_input(rng, k):
+    """A SwiGLU GEMV's input gate_up fp16 [2k], its act = fp16(silu(g) * u) (the kernels'
+    FP32 expression) and, per element, how far the other fp16 neighbour of act may be: the
+    kernel's expf may differ from NumPy's by an ulp or two of FP32, which can flip act's fp16
+    rounding. -> (gate_up, act, alt)."""
+    gu = (rng.standard_normal(2 * k) * 2).astype(np.float16)
+    g32, u32 = gu[:k].astype(np.float32), gu[k:].astype(np.float32)
+    a32 = g32 / (np.float32(1) + np.exp(-g32)) * u32
+    act = a32.astype(np.float16)
+    alt = np.maximum(np.abs((a32 * np.float32(1 - 2**-20)).astype(np.float16).astype(np.float64) - act),
+                     np.abs((a32 * np.float32(1 + 2**-20)).astype(np.float16).astype(np.float64) - act))
+    return gu, act, alt
+
+
 def check_decode_layer(eng, nq_file, layer: int, token: int) -> dict:
     """One decode step of the engine (after a prefill) run up to `layer`, then `layer` alone
     with every activation buffer it writes poisoned, against reference.decoder_layer_decode

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.gpu
 
 from nanoqwen_lib.gpu import ops_decode, ops_gemv  # noqa: E402
 from nanoqwen_lib.gpu.lab import gemv as lab_gemv  # run_gemv: the lab's versions (tests/test_gpu_lab.py)
-from .gpu_cases import SHAPES_7B, TINY16, U16, rand_int4
+from .gpu_cases import SHAPES_7B, TINY16, U16, rand_int4, swiglu_input
 
 ODD = [(n, k) for n in (1, 7, 130, 1000) for k in (128, 384, 1152)]
 FOLD_ACC = 2.0 ** -22
@@ -97,14 +97,7 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
     lab_kw = {} if impl in (None, "tiles") and ctas is None else {"impl": impl, "ctas": ctas}
     launch = lab_gemv if lab_kw else ops_gemv
     if launcher == "swiglu":
-        gu = (rng.standard_normal(2 * k) * 2).astype(np.float16)
-        g32, u32 = gu[:k].astype(np.float32), gu[k:].astype(np.float32)
-        a32 = g32 / (np.float32(1) + np.exp(-g32)) * u32
-        act = a32.astype(np.float16)
-        # The kernel's expf may differ from NumPy's by an ulp or two of fp32: where that
-        # can flip the fp16 rounding of act, allow the other neighbour.
-        alt = np.maximum(np.abs((a32 * np.float32(1 - 2**-20)).astype(np.float16).astype(np.float64) - act),
-                         np.abs((a32 * np.float32(1 + 2**-20)).astype(np.float16).astype(np.float64) - act))
+        gu, act, alt = swiglu_input(rng, k)
         x64 = act.astype(np.float64)
         launch.gemv_int4_swiglu(dev(gu), dev(words), dev(scales), out,
                                 residual=None if res is None else dev(res), bias=None if b is None else dev(b),

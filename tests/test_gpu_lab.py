@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 
 from nanoqwen_lib.gpu.lab import gemv as lab_gemv  # noqa: E402
 from nanoqwen_lib.model.kvcache import attention_tolerance  # noqa: E402
-from .gpu_cases import SHAPES_7B, rand_int4  # noqa: E402
+from .gpu_cases import SHAPES_7B, rand_int4, swiglu_input  # noqa: E402
 from .test_gpu_attention import ROOT, TOOL, flagged, gpu, needs_gpu, run_attention, sanitizer_path  # noqa: E402
 from .test_gpu_gemv import ODD, check_close, dev, poisoned, ref_matvec, run_gemv  # noqa: E402
 
@@ -232,12 +232,7 @@ def run_s3(rng, n, k, bias=False, residual=False, in_place=False, ksplit=None, t
     b_d = None if b is None else dev(b)
     extra = 0.0
     if launcher == "swiglu":
-        gu = (rng.standard_normal(2 * k) * 2).astype(np.float16)
-        g32, u32 = gu[:k].astype(np.float32), gu[k:].astype(np.float32)
-        a32 = g32 / (np.float32(1) + np.exp(-g32)) * u32
-        act = a32.astype(np.float16)
-        alt = np.maximum(np.abs((a32 * np.float32(1 - 2**-20)).astype(np.float16).astype(np.float64) - act),
-                         np.abs((a32 * np.float32(1 + 2**-20)).astype(np.float16).astype(np.float64) - act))
+        gu, act, alt = swiglu_input(rng, k)
         x64 = act.astype(np.float64)
         s = lab_gemv.gemv_int4_s3_swiglu(dev(gu), w3, out, residual=res_d, bias=b_d, ksplit=ksplit, tuning=tuning)
         extra = ref_matvec(words, scales, alt)[1] if alt.any() else 0.0
