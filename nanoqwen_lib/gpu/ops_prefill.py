@@ -3,7 +3,8 @@ kernels/prefill_attention.cu).
 
 GEMM kernels: gemm_int4(..., kernel="wgmma" | "mma"): prefill_wgmma.cu (sm_90a, warp-specialized
 wgmma, plan_wgmma picks BN and split-K) or prefill_gemm.cu (mma.sync, plan_gemm); None takes
-DEFAULT_GEMM_KERNEL ("mma" wherever an mma-only option is given or N % 8 != 0).
+DEFAULT_GEMM_KERNEL ("mma" wherever an mma-only option is given or N % 8 != 0). The engine
+names the kernel itself (nanoqwen.yaml engine.prefill_gemm: wgmma for INT4).
 gemm_int4_gate_up_swiglu(x, gate_up.qweight, gate_up.scales, act) (wgmma only) writes act [T, I]
 = fp16(silu(g) * u) straight from the gate_up GEMM: the bits of gemm_int4 + swiglu_act.
 
@@ -77,7 +78,9 @@ WGMMA_SPLIT_MAX = 4                  # split-K slices the plan considers (measur
 WGMMA_SPLIT_KTILES = 4               # INT4: each extra split-K slice costs the CTA this many k-tiles (v3: qkv bn 256 s3 112 us vs s1 98)
 WGMMA_KTILE_OVERHEAD = 128           # a k-tile costs bn + this (the v3 H200 fit: bn 256 / bn 128 = 1.32x)
 GEMM_KERNELS = ("wgmma", "mma")
-DEFAULT_GEMM_KERNEL = "mma"          # gemm_int4's kernel when none is named: "wgmma" once its GPU tests pass
+# gemm_int4's kernel when a caller names none: the launcher's own default, which the kernel
+# tests rely on. The engine always names one: nanoqwen.yaml engine.prefill_gemm (gpu.projection).
+DEFAULT_GEMM_KERNEL = "mma"
 _PA = load().geometry["prefill_attention"]
 ATTN_BQ, ATTN_THREADS, ROPE_THREADS = _PA["NQ_PA_BQ"], 32 * _PA["NQ_PA_WARPS"], _PA["NQ_PA_ROPE_THREADS"]
 
