@@ -8,13 +8,15 @@ names the kernel itself (nanoqwen.yaml engine.prefill_gemm: wgmma for INT4).
 gemm_int4_gate_up_swiglu(x, gate_up.qweight, gate_up.scales, act) (wgmma only) writes act [T, I]
 = fp16(silu(g) * u) straight from the gate_up GEMM: the bits of gemm_int4 + swiglu_act.
 
-Per layer, for a prompt of T tokens at positions start_pos .. start_pos+T-1 (the engine calls):
+Per layer, for a prompt of T tokens at positions start_pos .. start_pos+T-1 (the engine calls,
+INT4 on wgmma; gpu.projection chooses the GEMMs):
     gemm_int4(x, qkv.qweight, qkv.scales, qkv_out, bias=qkv.bias)         qkv [T, qkv_dim]
     prefill_rope_write_kv(qkv_out, k_pool, v_pool, block_table, q, dims)  q [T, heads, d]; K, V -> pages
     prefill_attention(q, k_pool, v_pool, block_table, attn, dims)         attn [T, heads*d]
     gemm_int4(attn, o.qweight, o.scales, x, residual=x)                   x += W_o attn (in place)
-    gemm_int4(y, gate_up.qweight, gate_up.scales, gate_up_out)            [T, 2I]
-    gemm_int4_swiglu(gate_up_out, down.qweight, down.scales, x, residual=x, act=act)   act [T, I] scratch
+    gemm_int4_gate_up_swiglu(y, gate_up.qweight, gate_up.scales, act)     act [T, I] = silu(g) * u
+    gemm_int4(act, down.qweight, down.scales, x, residual=x)              x += W_down act
+(on mma.sync the MLP is gemm_int4 into gate_up [T, 2I], then gemm_int4_swiglu with act as scratch)
 
 Attention reads K and V from the paged cache, the same place decode reads them: the RoPE
 kernel writes them there, so no contiguous K/V copy exists (k_pool / v_pool are one layer's
