@@ -451,9 +451,8 @@ __device__ __forceinline__ void gemm_body(const Problem& p, float* ws, int* coun
 
 // INT4: x fp16 [T, K]; qw uint32 [N, K/8]; scales fp16 [N, K/128]; N % 8 == 0, K % 128 == 0.
 // ws fp32 / counters int32 (zero): split-K (gridDim.z > 1) only. Grid (ceil(T/128), ceil(N/BN), S).
-// xmap / wmap: device tensor maps (ops_prefill.xmap: X boxes of 128 rows x 64 halves, 128B swizzle; since v5
-// the INT4 kernels read wmap not (kept in the signature);
-// ops_prefill.wmap_int4: qw boxes of BN rows (SwiGLU: BN/2) x 8 words, no swizzle).
+// xmap: the device tensor map of X (ops_prefill.xmap: boxes of 128 rows x 64 halves, 128B swizzle).
+// wmap: read by the FP8 kernel only (one Problem for all three); the INT4 launchers pass null.
 extern "C" __global__ void __launch_bounds__(pw::INT4_THREADS, 1)
 nq_prefill_wgmma(const half* __restrict__ x, const uint32_t* __restrict__ qw, const half* __restrict__ scales,
                  const half* bias, const half* residual, half* y, int T, int N, int K, float* ws, int* counters,

@@ -258,13 +258,6 @@ def xmap(x, box_k: int):
     return tensor_map.device_map(x, (WGMMA_BM, box_k), swizzle="128B")
 
 
-def wmap_int4(qweight, rows: int):
-    """The device tensor map of the packed INT4 words uint32 [N, K/8]: boxes of `rows` weight
-    rows x 8 words (one k-tile of 64), no swizzle (the producer reads them back to dequantize)."""
-    from nanoqwen_lib.gpu import tensor_map
-    return tensor_map.device_map(qweight, (rows, WGMMA_BK // 8), swizzle="none")
-
-
 def wgmma_smem_bytes(bn: int, stages: int | None = None) -> int:
     """Dynamic shared memory of nq_prefill_wgmma*: stages * wgmma_stage_bytes, 1024 bytes of
     alignment slack, the 3 * stages barriers (full, empty, raw)."""
@@ -354,7 +347,7 @@ def _launch_wgmma(fn: str, kernel: str, x, qweight, scales, out, bias, residual,
     _wgmma_kernel(kernel, bn, stages)(
         grid, (wgmma_int4_threads(bn),),
         (x, qweight, scales, _ptr(bias), _ptr(residual), out, np.int32(t), np.int32(n), np.int32(k),
-         _ptr(ws), _ptr(counters), xmap(x, WGMMA_BK), wmap_int4(qweight, bn)),
+         _ptr(ws), _ptr(counters), xmap(x, WGMMA_BK), _ptr(None)),   # wmap: FP8's only
         shared_mem=wgmma_smem_bytes(bn, stages))
 
 
@@ -385,7 +378,7 @@ def gemm_int4_gate_up_swiglu(x, qweight, scales, act, *, bn=None, split=None, st
     _wgmma_kernel("nq_prefill_wgmma_swiglu", bn, stages)(
         grid, (wgmma_int4_threads(bn),),
         (x, qweight, scales, act, np.int32(t), np.int32(n2), np.int32(k), _ptr(ws), _ptr(counters),
-         xmap(x, WGMMA_BK), wmap_int4(qweight, bn // 2)),
+         xmap(x, WGMMA_BK), _ptr(None)),                      # wmap: FP8's only
         shared_mem=wgmma_smem_bytes(bn, stages))
 
 
