@@ -27,9 +27,10 @@ __device__ __forceinline__ ArgBest warp_argmax(ArgBest b) {
 
 // Reached by all THREADS threads of every CTA. Each CTA's best goes to part_*[blockIdx.x];
 // the last CTA to bump *counter merges them, writes *token_out and resets *counter to 0.
-// With one CTA the parts and the counter are not touched.
+// With one CTA the parts and the counter are not touched. Returns true (in every thread) in
+// the CTA that wrote *token_out (its thread 0 did).
 template <int THREADS>
-__device__ __forceinline__ void argmax_finish(ArgBest b, float* part_val, int* part_idx,
+__device__ __forceinline__ bool argmax_finish(ArgBest b, float* part_val, int* part_idx,
                                               unsigned* counter, int* token_out) {
   __shared__ float sv[THREADS / 32];
   __shared__ int si[THREADS / 32];
@@ -49,9 +50,9 @@ __device__ __forceinline__ void argmax_finish(ArgBest b, float* part_val, int* p
       is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
     }
   }
-  if (gridDim.x == 1) return;
+  if (gridDim.x == 1) return true;
   __syncthreads();   // all threads: is_last known
-  if (!is_last) return;
+  if (!is_last) return false;
   __threadfence();
   ArgBest m{NQ_NEG_INF, 0x7fffffff};
   for (int p = threadIdx.x; p < (int)gridDim.x; p += THREADS)
@@ -65,6 +66,7 @@ __device__ __forceinline__ void argmax_finish(ArgBest b, float* part_val, int* p
     *token_out = m.i;
     *counter = 0u;
   }
+  return true;
 }
 
 }  // namespace nq

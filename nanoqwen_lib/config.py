@@ -309,6 +309,8 @@ class KVCacheSpec:
 class EngineSpec:
     prefill_chunk_tokens: int    # prompt tokens per tensor-core prefill pass (activation buffers)
     prefill_gemm: dict           # weight encoding -> the prefill projections' GEMM: "wgmma" (sm_90a) or "mma"
+    decode: dict                 # weight encoding -> the decode step: "persistent" (one kernel) or "graph"
+    persistent: dict             # the persistent step's planning figures (persistent_plan)
 
 
 @dataclass(frozen=True)
@@ -479,6 +481,46 @@ def tuning_defines() -> dict[str, int]:
     return {k: v for e in load().tuning.values() for k, v in e.defines.items()}
 
 
+# [persistent-plan]
+def persistent_plan(dims: ModelDims, sms: int | None = None) -> dict[str, int]:
+    """How the persistent decode step (kernels/decode_persistent.cu) cuts each layer GEMV over
+    a grid of `sms` CTAs (default: engine.persistent.sms): NQ_PD_<M>_TG tile sets x
+    NQ_PD_<M>_KS K slices, one unit per CTA. A unit's time is modelled as its largest share of
+    1056-byte layout-3 blocks at one SM's share of the read ceiling, plus one global round trip
+    when KS > 1 (the last unit of a tile set adds the slices); the plan takes the cheapest
+    split whose warps each touch at most NQ_PD_KMAX tiles. Pure arithmetic: the CPU build and
+    the engine (with the device's SM count) call the same function."""
+    cfg = load().engine.persistent
+    sms = sms or cfg["sms"]
+    tun = load().tuning["decode_persistent"].defines
+    warps, kmax = tun["NQ_PD_WARPS"], tun["NQ_PD_KMAX"]
+    group = load().format.group_size
+    block = 16 * group // 2 + 32                        # format/stream_layout.BLOCK_BYTES
+    out = {}
+    for name, (n, k) in (("QKV", (dims.qkv_dim, dims.hidden)), ("O", (dims.hidden, dims.q_dim)),
+                         ("GU", (2 * dims.intermediate, dims.hidden)), ("DOWN", (dims.hidden, dims.intermediate))):
+        t, g = -(-n // 16), k // group
+        best = None
+        for ks in range(1, g + 1):
+            tg = min(t, sms // ks)
+            if tg < 1:
+                break
+            ng, nt = -(-g // ks), -(-t // tg)
+            nb = nt * ng
+            per_warp = -(-nb // warps)
+            if (ng - 1 + per_warp - 1) // ng + 1 > kmax:
+                continue
+            cost = nb * block / cfg["sm_bytes_per_ns"] + (cfg["reduce_ns"] if ks > 1 else 0.0)
+            if best is None or cost < best[0]:
+                best = (cost, tg, ks)
+        if best is None:
+            raise ValueError(f"persistent_plan: no split of {name} ({n} x {k}) over {sms} CTAs keeps "
+                             f"a warp within NQ_PD_KMAX = {kmax} tiles")
+        out[f"NQ_PD_{name}_TG"], out[f"NQ_PD_{name}_KS"] = best[1], best[2]
+    return out
+# [/persistent-plan]
+
+
 def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
     """The compile-time constants every kernel sees (as -DNAME=value)."""
     cfg = load()
@@ -506,4 +548,5 @@ def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
             "NQ_HEAD_DIM": dims.head_dim,
             "NQ_VOCAB": dims.vocab,
         })
+        d.update(persistent_plan(dims))   # the engine overrides with the device's SM count
     return d

@@ -31,16 +31,19 @@ KV = load().kv_cache
 PREFILL_CHUNK = load().engine.prefill_chunk_tokens
 PREFILL_MODES = ("tensor-core", "token-by-token")
 PREFILL_GEMMS = ("wgmma", "mma")
+DECODE_MODES = ("persistent", "graph")
 # Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu).
 SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")
 SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
+PERSISTENT_STEP = "persistent step"     # the one region of the persistent decode step
 
 
-def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4") -> ArenaPlan:
+def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4", decode: str = "graph") -> ArenaPlan:
     """Every device buffer of the engine, by name. Weights are re-arranged for the kernels:
     q/k/v rows are stacked into one qkv matrix and gate/up into one gate_up matrix
     (layout.decode_gemv_shapes); the file's weight encoding lays out the four matrices and
-    adds the buffers its kernels need (gpu.projection)."""
+    adds the buffers its kernels need (gpu.projection). The persistent decode step adds a
+    layout-3 copy of each INT4 projection (gpu.persistent; the prefill reads layout 1)."""
     projections = ENCODINGS[encoding]
     p = ArenaPlan()
     h, i = dims.hidden, dims.intermediate
@@ -77,6 +80,9 @@ def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4") -> Aren
     p.add("s.generated", np.int32, (pages * KV.page_tokens,))  # argmax after each position
     p.add("s.prompt", np.int32, (pages * KV.page_tokens,))     # the prompt's ids (prefill)
     projections.add_buffers(p, dims, c)
+    if decode == "persistent":
+        from nanoqwen_lib.gpu import persistent
+        persistent.add_slots(p, dims)
     return p
 
 
@@ -111,14 +117,25 @@ class GpuBackend:
     allocation on a page boundary, position) runs on the device, so a decode step needs
     nothing from the host: with `graphs=True` both variants of the step are captured once,
     at load, and replayed every token.
+
+    decode picks the step: "persistent" (one kernel, gpu.persistent; INT4 files) or "graph"
+    (a kernel per op, the regions of gpu.layer); default per encoding, nanoqwen.yaml
+    engine.decode. timeline=True builds the persistent kernel's diagnostic timeline.
     """
 
     name = "gpu"
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
-                 prefill: str = "tensor-core", prefill_gemm: str | None = None):
+                 prefill: str = "tensor-core", prefill_gemm: str | None = None, decode: str | None = None,
+                 timeline: bool = False):
         if prefill not in PREFILL_MODES:               # refused before anything touches the GPU
             raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
+        decode = decode or load().engine.decode[nq_file.encoding]
+        if decode not in DECODE_MODES:
+            raise LimitError("<engine>", "decode", f"one of {DECODE_MODES}", repr(decode))
+        if decode == "persistent" and nq_file.encoding != "int4":
+            raise LimitError(str(nq_file.path), "decode", "graph for an FP8 file (the persistent step reads INT4)",
+                             repr(decode))
         if prefill_gemm is not None and prefill_gemm not in PREFILL_GEMMS:
             raise LimitError("<engine>", "prefill_gemm", f"one of {PREFILL_GEMMS}", repr(prefill_gemm))
         import cupy as cp
@@ -128,7 +145,8 @@ class GpuBackend:
         dims = self.dims = nq_file.dims
         self.encoding = nq_file.encoding
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
-        self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding), source=nq_file.path)
+        self.decode_mode = decode
+        self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding, decode), source=nq_file.path)
         self.proj = ENCODINGS[self.encoding](a, prefill_gemm or load().engine.prefill_gemm[self.encoding])
         tensors = nq_file.model_tensors()      # validated before this point (NanoqwenFile.open)
         for src, dst, row in weight_sources(dims):
@@ -147,6 +165,11 @@ class GpuBackend:
         self.host_tokens = np.frombuffer(self.token_staging, np.int32, self.pages * KV.page_tokens)
         step = load_module("engine_step", dims)
         self.k_begin, self.k_end = step.get_function("nq_step_begin"), step.get_function("nq_step_end")
+        self.pd = None
+        if decode == "persistent":
+            from nanoqwen_lib.gpu.persistent import PersistentStep
+            PersistentStep.upload_streams(a, dims)
+            self.pd = PersistentStep(self, timeline=timeline)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.prefill_mode = prefill
         self.use_graphs, self.graphs = graphs, None
@@ -182,12 +205,18 @@ class GpuBackend:
         self.host_scalars[SCALARS.index("free_top") * SCALAR_STRIDE] = self.pages - taken
         self.host_scalars[SCALARS.index("position") * SCALAR_STRIDE] = max(prompt_tokens - 1, 0)
         self._upload_scalars()
+        if self.pd is not None:
+            with self.stream:
+                self.pd.reset()
         self.position = 0
 
     # ------------------------------------------------------------------ one step
     def step_launches(self, new_page: bool) -> list[tuple[str, object]]:
         """The decode step as (region, launch) pairs in order: the one description that the
-        eager step, the graph capture and the ITL breakdown (nanoqwen_lib.measure.breakdown) share."""
+        eager step, the graph capture and the ITL breakdown (nanoqwen_lib.measure.breakdown) share.
+        The persistent step is one launch: the whole list is one region."""
+        if self.pd is not None:
+            return [(PERSISTENT_STEP, lambda: self.pd.launch(new_page))]
         out = [(BOOKKEEPING.name, lambda: self.begin_step(new_page)), (EMBED.name, self.embed_step)]
         for l in range(self.dims.num_layers):
             out += self.layer_launches(l)
@@ -241,7 +270,11 @@ class GpuBackend:
         ]
 
     def layer_step(self, l: int) -> None:
-        """One decoder layer on a.x (in place); this position's K/V appended to the cache."""
+        """One decoder layer on a.x (in place); this position's K/V appended to the cache
+        (the persistent kernel runs layer l alone when that is the engine's step)."""
+        if self.pd is not None:
+            self.pd.launch(False, l, l + 1, flags=0)
+            return
         for _, launch in self.layer_launches(l):
             launch()
 
@@ -299,6 +332,10 @@ class GpuBackend:
         self.stream.synchronize()
         err = int(self.scalar["error"].get()[0])
         if err:
+            from nanoqwen_lib.gpu.persistent import ERRORS
+            if err in ERRORS:
+                raise LimitError("kernels/decode_persistent.cu", "persistent step", "no device error",
+                                 f"error {err}: {ERRORS[err]}")
             raise LimitError("<generate>", "KV pages", "a free page for every position", f"device error {err}")
         return int(self.arena["s.generated"][position].get())
 

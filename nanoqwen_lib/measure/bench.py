@@ -73,9 +73,13 @@ def timed_request(engine, prompt: list[int], gen_tokens: int) -> dict:
 
 def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, seed=0,
                   progress=print, prefill: str = "tensor-core", breakdown: bool = False,
-                  prefill_gemm: str | None = None) -> dict:
+                  prefill_gemm: str | None = None, decode: str | None = None, baseline: bool = True) -> dict:
     """The protocol; with breakdown=True also the ITL breakdown (breakdown.itl_breakdown) on
-    the same engine after the timed run."""
+    the same engine after the timed run. decode: the engine's decode step (default per
+    encoding, nanoqwen.yaml engine.decode). With the persistent step and baseline=True the
+    kernel-per-op graph is timed too, on its own engine in the same run (`graph_itl_ms`), and
+    with breakdown=True one token's timeline of the persistent kernel is summarized against
+    each instruction's byte floor (`timeline`)."""
     from nanoqwen_lib.measure.breakdown import itl_breakdown, prefill_breakdown
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.measure.timing import measure_read_ceiling
@@ -86,15 +90,31 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     dims = nq_file.dims
     prompt = np.random.default_rng(seed).integers(0, 151643, prompt_tokens).tolist()
     progress(f"loading {nq_file.path} onto the GPU")
-    engine = GpuBackend(nq_file, max_tokens=prompt_tokens + max(gen_tokens, 128) + 16, graphs=True,
-                         prefill=prefill, prefill_gemm=prefill_gemm)
+    max_tokens = prompt_tokens + max(gen_tokens, 128) + 16
+    engine = GpuBackend(nq_file, max_tokens=max_tokens, graphs=True, prefill=prefill, prefill_gemm=prefill_gemm,
+                        decode=decode)
     for i in range(warmup):
         progress(f"warm-up {i + 1}/{warmup}")
         timed_request(engine, prompt, gen_tokens)
     progress("timed run")
     run = timed_request(engine, prompt, gen_tokens)
-    parts = pre = None
-    if breakdown:
+    parts = pre = tl = graph_run = None
+    persistent = engine.decode_mode == "persistent"
+    if breakdown and persistent:
+        from nanoqwen_lib.measure.timeline import timeline_token
+        progress("one token's timeline (the persistent kernel's diagnostic build)")
+        tl = timeline_token(engine, prompt)
+    if persistent and baseline:
+        progress("the kernel-per-op graph on its own engine (the baseline, same run)")
+        graph_engine = GpuBackend(nq_file, max_tokens=max_tokens, graphs=True, prefill=prefill,
+                                  prefill_gemm=prefill_gemm, decode="graph")
+        timed_request(graph_engine, prompt, gen_tokens)                       # warm-up
+        graph_run = timed_request(graph_engine, prompt, gen_tokens)
+        if breakdown:
+            progress("ITL breakdown of the graph (graph and eager steps, then each region alone)")
+            parts = itl_breakdown(graph_engine, prompt)
+        del graph_engine
+    elif breakdown:
         progress("ITL breakdown (graph and eager steps, then each region alone)")
         parts = itl_breakdown(engine, prompt)
         if engine.prefill_mode == "tensor-core" and prompt_tokens <= engine.chunk:
@@ -108,7 +128,9 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     bytes_tok = sum(need.values())
     return {
         "protocol": {"batch": proto.batch, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
-                     "warmup": warmup, "lock_clocks": proto.lock_clocks, "decode": "CUDA graphs",
+                     "warmup": warmup, "lock_clocks": proto.lock_clocks,
+                     "decode": ("one persistent kernel per token (CUDA graph)" if persistent
+                                else "CUDA graphs (a kernel per op)"),
                      "prefill": engine.prefill_kind, "weights": "synthetic (speed does not depend on values)"},
         "model": {"file": str(nq_file.path), "layers": dims.num_layers, "hidden": dims.hidden},
         "ttft_ms": run["ttft_ms"],
@@ -120,6 +142,9 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
         "achieved_tbps": bytes_tok / (itl["median"] * 1e-3) / 1e12,
         "mbu": bytes_tok / (itl["median"] * 1e-3) / (ceiling["tbps"] * 1e12),
         "tokens": run["tokens"],
+        **({"graph_itl_ms": _stats(graph_run["itl_ms"]),
+            "graph_tokens_identical": graph_run["tokens"] == run["tokens"]} if graph_run else {}),
+        **({"timeline": tl} if tl else {}),
         **({"itl_breakdown": parts} if parts else {}),
         **({"prefill_breakdown": pre} if pre else {}),
         "conditions": gpu_conditions(),
@@ -141,6 +166,13 @@ def format_report(r: dict) -> str:
         f"MBU       {100 * r['mbu']:.1f}%  ({r['bytes_per_token'] / 1e9:.3f} GB/token at "
         f"{r['achieved_tbps']:.2f} TB/s; read ceiling {r['read_ceiling_tbps']:.2f} TB/s measured now)",
     ]
+    if "graph_itl_ms" in r:
+        g = r["graph_itl_ms"]
+        lines.append(f"graph     median {g['median']:.4f} ms (the kernel-per-op step, same run): persistent "
+                     f"{g['median'] / itl['median']:.2f}x faster; tokens identical: {r['graph_tokens_identical']}")
+    if "timeline" in r:
+        from nanoqwen_lib.measure.timeline import format_summary
+        lines.append(format_summary(r["timeline"]["summary"]))
     if "itl_breakdown" in r:
         from nanoqwen_lib.measure.breakdown import format_breakdown
         lines.append(format_breakdown(r["itl_breakdown"]))

@@ -1,0 +1,754 @@
+// decode_persistent.cu: one decode token (batch 1) as one kernel. One CTA per SM stays
+// resident for the whole token and walks the same list of instructions as every other CTA;
+// an instruction's inputs are ready when a counter in device memory says so.
+//
+//   nq_decode_persistent   bookkeeping + embed, num_layers x [qkv, attention, o_proj,
+//                          gate_up, down], lm_head + argmax + bookkeeping
+//
+// [pd-schedule]
+// Instructions, in order (kind: what one CTA does for it):
+//   begin    CTA 0: slot, context length, page pop (engine_step.cu's nq_step_begin); x = embed[token]
+//   qkv      rmsnorm(x) of the CTA's own (every CTA normalizes the 7 KB x itself), its share
+//            of the qkv GEMV; the last CTA of a tile set adds the split-K slices and the bias
+//   attention  q heads of one KV head roped (rope_append.cu's arithmetic), one split of the
+//            context (the last split also ropes this token's k and appends k, v to its page),
+//            online softmax; the last split of a KV head to finish merges the splits
+//   o_proj   its share of attn -> x (+ residual, in place)
+//   gate_up  rmsnorm(x), its share of the gate/up GEMV
+//   down     SwiGLU of its K slice of gate_up, its share of the down GEMV (+ residual)
+//   lm_head  rmsnorm(x), its 1/grid of the FP16 vocabulary rows -> logits; argmax merged by
+//            the last CTA (argmax.cuh), which also writes generated[position] and moves position
+// Each instruction waits for the whole previous one: counter sync[i] counts the CTAs done
+// with instruction i (release: __threadfence, then atomicAdd by thread 0 after a CTA
+// barrier; acquire: ld.acquire.gpu by thread 0, then a CTA barrier); activations written
+// inside the kernel are read with ld.global.cg (L2: never a stale L1 line).
+// [/pd-schedule]
+//
+// [pd-prefetch]
+// Weights never depend on the token, so a CTA asks for its next weights *before* it waits:
+// at the start of an instruction it issues cp.async.bulk.prefetch.L2 for up to
+// NQ_PD_PREFETCH_KB of its share (the attention instruction, which reads no weights, for
+// o_proj's share; o_proj for gate_up's first bytes), then each warp loads its first
+// NQ_PD_RING blocks into registers, and only then spins on the counter. While the slowest
+// CTA finishes the previous instruction, DRAM keeps streaming.
+// [/pd-prefetch]
+//
+// [pd-gemv]
+// A GEMV instruction over layout 3 (stream3.cuh): the matrix's T = N/16 tiles are cut into
+// TG tile sets and its G = K/128 groups into KS slices (NQ_PD_<M>_{TG,KS}, chosen by
+// nanoqwen_lib/gpu/persistent.py so the TG x KS units cover the grid evenly); CTA u takes
+// unit (u / KS, u % KS). Its blocks (tiles x groups, tile-major) are cut evenly among its
+// warps; a warp's blocks are contiguous bytes of one or two (at most NQ_PD_KMAX) tiles, read
+// front to back with NQ_PD_RING blocks in flight. Row sums meet in shared memory in warp
+// order; with KS > 1 each unit stores its slice to an FP32 workspace and the last unit of the
+// tile set to arrive adds the slices in slice order (deterministic) and runs the epilogue.
+// [/pd-gemv]
+//
+// Never hangs: a wait that exceeds NQ_PD_TIMEOUT_MS sets scalars[error] = 3 and gives up
+// (every later wait of the launch then returns at once); the engine raises on it.
+// NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
+// every instruction in %globaltimer ns; code = layer * 16 + kind
+// (nanoqwen_lib/measure/timeline.py KINDS).
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2
+#include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
+#include "argmax.cuh"
+
+#ifndef NQ_HEAD_DIM
+#error "decode_persistent.cu needs the model dims (cuda_defines(dims))"
+#endif
+#ifndef NQ_PD_WARPS
+#error "NQ_PD_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning decode_persistent)"
+#endif
+#ifndef NQ_PD_QKV_TG
+#error "NQ_PD_<M>_{TG,KS}: set by nanoqwen_lib.gpu.persistent.plan (the grid's split of each GEMV)"
+#endif
+
+namespace pd {
+constexpr int kWarps = NQ_PD_WARPS;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRing = NQ_PD_RING;
+constexpr bool kFold = NQ_PD_FOLD != 0;
+constexpr int kKmax = NQ_PD_KMAX;
+constexpr int H = NQ_HIDDEN, I = NQ_INTERMEDIATE, V = NQ_VOCAB;
+constexpr int D = NQ_HEAD_DIM, NH = NQ_NUM_HEADS, KVH = NQ_NUM_KV_HEADS, GQA = NH / KVH;
+constexpr int Q_DIM = NH * D, KV_DIM = KVH * D, QKV_DIM = Q_DIM + 2 * KV_DIM;
+constexpr int kAttnSplits = NQ_PD_ATTN_SPLITS;
+constexpr int kAttnMinTokens = NQ_PD_ATTN_MIN_TOKENS;
+constexpr int kLmRows = 2, kLmUnroll = 4;
+static_assert(kWarps >= 4 && kWarps <= 32, "4..32 warps per CTA");
+static_assert(kRing >= 1 && kRing <= 8, "1..8 blocks in flight per warp");
+static_assert(GQA <= 8, "at most 8 query heads per KV head (registers of the attention)");
+static_assert(D % 64 == 0 && D / 32 <= 4, "head_dim 64 or 128: 2 or 4 dims per lane");
+static_assert(H % 8 == 0, "rows of 16-byte chunks");
+
+// [pd-tab]
+// Every pointer the step needs, in one int64 table built by nanoqwen_lib/gpu/persistent.py
+// (TAB_GLOBALS / TAB_LAYER there, same order; a CPU test compares the two lists).
+enum Tab {
+  T_EMBED, T_NORM, T_LM_HEAD, T_LOGITS, T_SCALARS, T_BLOCK_TABLE, T_FREE_PAGES, T_GENERATED,
+  T_X, T_QKV, T_ATTN, T_GATE_UP, T_SYNC, T_WS, T_TILE_CNT, T_ATTN_WS, T_ATTN_CNT,
+  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_GLOBALS
+};
+enum LayerTab { L_QKV, L_O, L_GATE_UP, L_DOWN, L_LN1, L_LN2, L_QKV_BIAS, L_K, L_V, L_FIELDS };
+constexpr int kLayerBase = 32, kLayerStride = 16;
+static_assert(T_GLOBALS <= kLayerBase && L_FIELDS <= kLayerStride, "table slots");
+// [/pd-tab]
+
+enum Kind { K_BEGIN, K_QKV, K_ATTN, K_O, K_GATE_UP, K_DOWN, K_LM_HEAD, K_END };
+enum Flags { F_BEGIN = 1, F_HEAD = 2 };
+// scalars (engine_step.cu): token, position, context_len, slot, free_top, error
+constexpr int S_TOKEN = 0, S_POSITION = 1, S_CONTEXT = 2, S_SLOT = 3, S_FREE_TOP = 4, S_ERROR = 5;
+constexpr int kErrTimeout = 3;
+
+struct Gemv { int N, K, TG, KS; };
+constexpr Gemv kQkv{QKV_DIM, H, NQ_PD_QKV_TG, NQ_PD_QKV_KS};
+constexpr Gemv kO{H, Q_DIM, NQ_PD_O_TG, NQ_PD_O_KS};
+constexpr Gemv kGateUp{2 * I, H, NQ_PD_GU_TG, NQ_PD_GU_KS};
+constexpr Gemv kDown{H, I, NQ_PD_DOWN_TG, NQ_PD_DOWN_KS};
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int max2(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int x_bytes(Gemv m) { return ceil_div(m.K / NQ_GROUP_SIZE, m.KS) * nqs3::kXGroupBytes; }
+// Dynamic shared memory: the largest of what the instructions stage (persistent.py's smem_bytes
+// computes the same; the kernel checks %dynamic_smem_size at entry).
+constexpr int kAttnSmem = (kWarps * GQA * (D + 2) + GQA * D) * 4;
+constexpr int kSmemBytes = max2(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))),
+                                max2(kAttnSmem, H * 4));
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+template <class T> __device__ __forceinline__ T* ptr(const long long* tab, int i) {
+  return reinterpret_cast<T*>(tab[i]);
+}
+
+struct Ctx {
+  const long long* tab;
+  int* scalars;
+  unsigned* sync;
+  int grid;
+  float eps;                // rmsnorm epsilon
+  int prev;                 // counter the next instruction waits on (-1: none)
+  unsigned prev_target;
+  long long* tl;            // this CTA's timeline rows (diagnostic build) or null
+  int tl_n;
+  unsigned long long t_begin, t_ready;
+};
+
+// ---- dependencies ----------------------------------------------------------------------
+// [pd-wait]
+// All threads. Thread 0 spins until sync[prev] >= target (acquire), then the CTA barrier
+// passes the ordering on to every thread.
+__device__ __forceinline__ void wait_inputs(Ctx& c) {
+  if (threadIdx.x == 0 && c.prev >= 0) {
+    const unsigned long long t0 = now_ns();
+    volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
+    for (int spin = 0; ld_acquire(c.sync + c.prev) < c.prev_target; ++spin) {
+      if ((spin & 63) == 63) {
+        if (*err != 0) break;                          // an earlier timeout: give up at once
+        if (now_ns() - t0 > (unsigned long long)NQ_PD_TIMEOUT_MS * 1000000ull) { atomicExch((int*)err, kErrTimeout); break; }
+      }
+    }
+  }
+  __syncthreads();   // all threads: the inputs of this instruction are complete
+  if (NQ_PD_TIMELINE && threadIdx.x == 0) c.t_ready = now_ns();
+}
+// All threads, after the CTA's last write of instruction `idx`: publish it.
+__device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind, unsigned target) {
+  __syncthreads();   // all threads: this CTA's writes of the instruction are issued
+  if (threadIdx.x == 0) {
+    __threadfence();                                   // ... and visible before the counter moves
+    atomicAdd(c.sync + idx, 1u);
+#if NQ_PD_TIMELINE
+    long long* row = c.tl + 4 * c.tl_n;
+    row[0] = layer * 16 + kind; row[1] = (long long)c.t_begin; row[2] = (long long)c.t_ready;
+    row[3] = (long long)now_ns();
+#endif
+  }
+  c.tl_n++;
+  c.prev = idx;
+  c.prev_target = target;
+}
+// [/pd-wait]
+__device__ __forceinline__ void begin_instruction(Ctx& c) {
+  if (NQ_PD_TIMELINE && threadIdx.x == 0) { c.t_begin = now_ns(); c.t_ready = c.t_begin; }
+}
+
+// CTA sum; every thread gets the total (same order in every thread). Uses red[kWarps].
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();   // all threads: red[] complete
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) s += red[w];
+  __syncthreads();   // all threads: red[] read before it is reused
+  return s;
+}
+
+// 1 / rms of the fp16 vector x [H] (written in this kernel: read through L2), decode_ops.cu's
+// nq_rmsnorm arithmetic.
+__device__ __forceinline__ float rms_inv(const half* x, float* red, float eps) {
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < H / 8; c += kThreads) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + c);
+    const half2* h = reinterpret_cast<const half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(h[i]);
+      ss = fmaf(f.x, f.x, ss);
+      ss = fmaf(f.y, f.y, ss);
+    }
+  }
+  return 1.0f / sqrtf(block_sum(ss, red) / (float)H + eps);
+}
+// y = fp16(x * r * w) for the 8 halves of chunk c.
+__device__ __forceinline__ uint4 norm_chunk(const half* x, const half* w, float r, int c) {
+  const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + c), wv = __ldg(reinterpret_cast<const uint4*>(w) + c);
+  const half2* h = reinterpret_cast<const half2*>(&v);
+  const half2* wh = reinterpret_cast<const half2*>(&wv);
+  uint4 o;
+  half2* oh = reinterpret_cast<half2*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]), g = __half22float2(wh[i]);
+    oh[i] = __floats2half2_rn(f.x * r * g.x, f.y * r * g.y);
+  }
+  return o;
+}
+
+// ---- GEMV instructions ------------------------------------------------------------------
+enum Stage { ST_NORM, ST_X, ST_SWIGLU };
+enum Epi { EP_BIAS, EP_RESIDUAL, EP_PLAIN };
+
+struct Unit {                 // this CTA's share of a GEMV
+  bool live;
+  int tg, ks, t0, nt, g0, ng, nb;
+};
+template <int N, int K, int TG, int KS>
+__device__ __forceinline__ Unit unit_of(int u) {
+  constexpr int T = ceil_div(N, 16), G = K / NQ_GROUP_SIZE;
+  Unit w;
+  w.live = u < TG * KS;
+  w.tg = w.live ? u / KS : 0;
+  w.ks = w.live ? u % KS : 0;
+  w.t0 = (int)((long long)w.tg * T / TG);
+  w.nt = (int)((long long)(w.tg + 1) * T / TG) - w.t0;
+  w.g0 = (int)((long long)w.ks * G / KS);
+  w.ng = (int)((long long)(w.ks + 1) * G / KS) - w.g0;
+  w.nb = w.live ? w.nt * w.ng : 0;
+  return w;
+}
+
+// L2 prefetch of the unit's bytes, up to cap (warp 0: lane i takes tiles i, i + 32, ...).
+template <int K>
+__device__ __forceinline__ void prefetch_unit(const unsigned char* w, const Unit& u, unsigned cap) {
+  constexpr int G = K / NQ_GROUP_SIZE;
+  if (!u.live || threadIdx.x >= 32) return;
+  const unsigned run = (unsigned)u.ng * nqs3::kBlockBytes;
+  for (int i = threadIdx.x; i < u.nt && (unsigned)i * run < cap; i += 32) {
+    const unsigned char* p = w + ((size_t)(u.t0 + i) * G + u.g0) * nqs3::kBlockBytes;
+    const unsigned bytes = min(run, cap - (unsigned)i * run);
+    if (bytes >= 16) prefetch_l2(p, bytes & ~15u);
+  }
+}
+
+template <int N, int K, int TG, int KS, int kStage, int kEpi>
+__device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* w, const half* act,
+                     const half* norm_w, const half* bias, half* out, unsigned char* xs, float* red,
+                     float (*part)[kKmax][16]) {
+  constexpr int G = K / NQ_GROUP_SIZE;
+  begin_instruction(c);
+  const Unit u = unit_of<N, K, TG, KS>(blockIdx.x);
+  prefetch_unit<K>(w, u, NQ_PD_PREFETCH_KB * 1024u);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int b0 = (int)((long long)warp * u.nb / kWarps), b1 = (int)((long long)(warp + 1) * u.nb / kWarps);
+  // The warp's first kRing blocks fly before the wait.
+  nqs3::Slot r[kRing];
+  int lt = u.ng ? b0 / u.ng : 0, lg = u.ng ? b0 % u.ng : 0;        // next block to load
+  auto block_ptr = [&](int tl, int gl) {
+    return w + ((size_t)(u.t0 + tl) * G + u.g0 + gl) * nqs3::kBlockBytes;
+  };
+#pragma unroll
+  for (int i = 0; i < kRing; ++i)
+    if (b0 + i < b1) {
+      nqs3::load_slot(r[i], block_ptr(lt, lg), lane);
+      if (++lg == u.ng) { lg = 0; ++lt; }
+    }
+  wait_inputs(c);
+
+  // Stage the unit's groups of the input into shared memory (padded), then the folds.
+  if (u.live) {
+    if (kStage == ST_NORM) {
+      const float rinv = rms_inv(act, red, c.eps);
+      for (int ch = threadIdx.x; ch < u.ng * (NQ_GROUP_SIZE / 8); ch += kThreads)
+        *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(ch)) =
+            norm_chunk(act, norm_w, rinv, u.g0 * (NQ_GROUP_SIZE / 8) + ch);
+    } else if (kStage == ST_X) {
+      for (int ch = threadIdx.x; ch < u.ng * (NQ_GROUP_SIZE / 8); ch += kThreads)
+        *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(ch)) =
+            __ldcg(reinterpret_cast<const uint4*>(act) + u.g0 * (NQ_GROUP_SIZE / 8) + ch);
+    } else {   // SwiGLU: act = gate_up [2K]: fp16(silu(g) * u) (gemv_int4.cuh [swiglu])
+      for (int ch = threadIdx.x; ch < u.ng * (NQ_GROUP_SIZE / 8); ch += kThreads) {
+        const int k8 = u.g0 * (NQ_GROUP_SIZE / 8) + ch;
+        const uint4 gv = __ldcg(reinterpret_cast<const uint4*>(act) + k8);
+        const uint4 uv = __ldcg(reinterpret_cast<const uint4*>(act + K) + k8);
+        const half* gh = reinterpret_cast<const half*>(&gv);
+        const half* uh = reinterpret_cast<const half*>(&uv);
+        uint4 av;
+        half* ah = reinterpret_cast<half*>(&av);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ah[i] = __float2half_rn(nq::silu_mul(gh[i], uh[i]));
+        *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(ch)) = av;
+      }
+    }
+  }
+  __syncthreads();   // all threads: the staged input is complete
+  nqs3::stage_fold<kFold>(xs, u.ng, threadIdx.x, kThreads);
+  __syncthreads();   // all threads: folds and magic words complete
+
+  // [pd-gemv-loop]
+  if (b0 < b1) {
+    int ct = b0 / u.ng, cg = b0 % u.ng;                 // block being multiplied
+    const int ft = ct;                                  // the warp's first tile (local)
+    float acc0 = 0.f, acc1 = 0.f;
+    const unsigned char* xl = xs + t * nqs3::kXLaneBytes;
+    auto flush = [&]() {
+      const int s = ct - ft;
+      if (t == 0 && s < kKmax) { part[warp][s][g] = acc0; part[warp][s][g + 8] = acc1; }
+      if (s >= kKmax && lane == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 5);   // plan broken
+      acc0 = 0.f; acc1 = 0.f;
+    };
+#pragma unroll 1
+    for (int b = b0; b < b1; b += kRing) {
+#pragma unroll
+      for (int i = 0; i < kRing; ++i) {
+        if (b + i < b1) {                                // warp-uniform
+          nqs3::group<kFold>(acc0, acc1, r[i], xl + cg * nqs3::kXGroupBytes);
+          if (b + i + kRing < b1) {
+            nqs3::load_slot(r[i], block_ptr(lt, lg), lane);
+            if (++lg == u.ng) { lg = 0; ++lt; }
+          }
+          if (++cg == u.ng) { flush(); cg = 0; ++ct; }
+        }
+      }
+    }
+    if (cg != 0) flush();
+  }
+  // [/pd-gemv-loop]
+  __syncthreads();   // all threads: every warp's row sums are in part[]
+
+  // Rows of the unit: add the warps' sums in warp order.
+  __shared__ int is_last;
+  for (int i = threadIdx.x; i < u.nt * 16 && u.live; i += kThreads) {
+    const int tl = i >> 4, row = (u.t0 + tl) * 16 + (i & 15);
+    float v = 0.f;
+    for (int w2 = 0; w2 < kWarps; ++w2) {
+      const int c0 = (int)((long long)w2 * u.nb / kWarps), c1 = (int)((long long)(w2 + 1) * u.nb / kWarps);
+      if (c0 >= c1) continue;
+      const int f = c0 / u.ng, l = (c1 - 1) / u.ng;
+      if (tl >= f && tl <= l) v += part[w2][tl - f][i & 15];
+    }
+    if (row >= N) continue;
+    if (KS == 1) {
+      if (kEpi == EP_BIAS) v += __half2float(__ldg(bias + row));
+      if (kEpi == EP_RESIDUAL) v = __half2float(__ldcg(out + row)) + v;
+      out[row] = __float2half_rn(v);
+    } else {
+      __stcg(ptr<float>(c.tab, T_WS) + (size_t)u.ks * N + row, v);
+    }
+  }
+  if (KS > 1) {
+    __syncthreads();   // all threads: the slice is stored
+    if (threadIdx.x == 0) {
+      is_last = 0;
+      if (u.live) {
+        __threadfence();                                 // the slice is visible before the counter moves
+        is_last = atomicAdd(ptr<int>(c.tab, T_TILE_CNT) + u.tg, 1) == KS - 1;
+      }
+    }
+    __syncthreads();   // all threads: is_last known
+    if (is_last) {
+      __threadfence();
+      const float* ws = ptr<float>(c.tab, T_WS);
+      for (int i = threadIdx.x; i < u.nt * 16; i += kThreads) {
+        const int row = u.t0 * 16 + i;
+        if (row >= N) continue;
+        float v = 0.f;
+        for (int s = 0; s < KS; ++s) v += __ldcg(ws + (size_t)s * N + row);   // slice order
+        if (kEpi == EP_BIAS) v += __half2float(__ldg(bias + row));
+        if (kEpi == EP_RESIDUAL) v = __half2float(__ldcg(out + row)) + v;
+        out[row] = __float2half_rn(v);
+      }
+      if (threadIdx.x == 0) ptr<int>(c.tab, T_TILE_CNT)[u.tg] = 0;   // ready for the next use
+    }
+  }
+  signal_done(c, idx, layer, kind, c.grid);
+}
+
+// ---- attention ----------------------------------------------------------------------------
+// Rotate the pair (x[i], x[i + D/2]) by angle pos * inv_freq[i] (rope_append.cu's arithmetic).
+__device__ __forceinline__ void rope_pair(const half* x, half* out, int i, float pos, const float* inv_freq) {
+  float s, co;
+  sincosf(pos * inv_freq[i], &s, &co);
+  const float x1 = __half2float(__ldcg(x + i));
+  const float x2 = __half2float(__ldcg(x + i + D / 2));
+  out[i] = __float2half_rn(__fsub_rn(__fmul_rn(x1, co), __fmul_rn(x2, s)));
+  out[i + D / 2] = __float2half_rn(__fadd_rn(__fmul_rn(x2, co), __fmul_rn(x1, s)));
+}
+
+// [pd-attention]
+__device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsigned char* smem) {
+  constexpr int E = D / 32;                            // dims per lane
+  begin_instruction(c);
+  // No weights here: ask for o_proj's share instead.
+  prefetch_unit<kO.K>(ptr<const unsigned char>(lt, L_O), unit_of<kO.N, kO.K, kO.TG, kO.KS>(blockIdx.x),
+                      NQ_PD_PREFETCH_KB * 1024u);
+  wait_inputs(c);
+  const int n = __ldcg(c.scalars + S_CONTEXT * NQ_SCALAR_STRIDE);        // context incl. this token
+  const int splits = min(kAttnSplits, max(1, ceil_div(n, kAttnMinTokens)));
+  const int u = blockIdx.x;
+  if (u < KVH * splits) {
+    const int g = u / splits, s = u % splits;
+    const int j0 = (int)((long long)s * n / splits), j1 = (int)((long long)(s + 1) * n / splits);
+    const half* qkv = ptr<const half>(c.tab, T_QKV);
+    const float* inv_freq = ptr<const float>(c.tab, T_INV_FREQ);
+    const int* block_table = ptr<const int>(c.tab, T_BLOCK_TABLE);
+    half* kc = ptr<half>(lt, L_K);
+    half* vc = ptr<half>(lt, L_V);
+    const float pos = (float)(n - 1);
+    float* wpart = reinterpret_cast<float*>(smem);                    // [kWarps][GQA][D + 2]
+    half* qh = reinterpret_cast<half*>(wpart + kWarps * GQA * (D + 2)); // [GQA][D] roped q, fp16
+    for (int i = threadIdx.x; i < GQA * D / 2; i += kThreads) {
+      const int h = i / (D / 2), e = i % (D / 2);
+      rope_pair(qkv + (g * GQA + h) * D, qh + h * D, e, pos, inv_freq);
+    }
+    if (s == splits - 1 && threadIdx.x < D / 2) {     // this token's k (roped) and v -> its page slot
+      const int slot = __ldcg(c.scalars + S_SLOT * NQ_SCALAR_STRIDE);
+      const int page = slot / NQ_PAGE_TOKENS, off = slot % NQ_PAGE_TOKENS;
+      const long long row = ((long long)(page * KVH + g) * NQ_PAGE_TOKENS + off) * D;
+      rope_pair(qkv + Q_DIM + g * D, kc + row, threadIdx.x, pos, inv_freq);
+      const half* v = qkv + Q_DIM + KV_DIM + g * D;
+      vc[row + threadIdx.x] = __ldcg(v + threadIdx.x);
+      vc[row + threadIdx.x + D / 2] = __ldcg(v + threadIdx.x + D / 2);
+    }
+    __syncthreads();   // all threads: q roped; the appended k, v stored (read below through L2)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float q[GQA][E];
+#pragma unroll
+    for (int h = 0; h < GQA; ++h)
+#pragma unroll
+      for (int e = 0; e < E; ++e) q[h][e] = __half2float(qh[h * D + lane * E + e]);
+    float m[GQA], l[GQA], acc[GQA][E];
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) {
+      m[h] = NQ_NEG_INF; l[h] = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
+    }
+    const float scale = rsqrtf((float)D);
+    for (int j = j0 + warp; j < j1; j += kWarps) {
+      const int page = __ldcg(block_table + j / NQ_PAGE_TOKENS);
+      const long long row = ((long long)(page * KVH + g) * NQ_PAGE_TOKENS + j % NQ_PAGE_TOKENS) * D + lane * E;
+      float kf[E], vf[E];
+      if (E == 4) {
+        const uint2 kv = __ldcg(reinterpret_cast<const uint2*>(kc + row));
+        const uint2 vv = __ldcg(reinterpret_cast<const uint2*>(vc + row));
+        const float2 k01 = __half22float2(*reinterpret_cast<const half2*>(&kv.x)), k23 = __half22float2(*reinterpret_cast<const half2*>(&kv.y));
+        const float2 v01 = __half22float2(*reinterpret_cast<const half2*>(&vv.x)), v23 = __half22float2(*reinterpret_cast<const half2*>(&vv.y));
+        kf[0] = k01.x; kf[1] = k01.y; kf[E - 2] = k23.x; kf[E - 1] = k23.y;
+        vf[0] = v01.x; vf[1] = v01.y; vf[E - 2] = v23.x; vf[E - 1] = v23.y;
+      } else {
+        const unsigned kv = __ldcg(reinterpret_cast<const unsigned*>(kc + row));
+        const unsigned vv = __ldcg(reinterpret_cast<const unsigned*>(vc + row));
+        const float2 k01 = __half22float2(*reinterpret_cast<const half2*>(&kv));
+        const float2 v01 = __half22float2(*reinterpret_cast<const half2*>(&vv));
+        kf[0] = k01.x; kf[E - 1] = k01.y;
+        vf[0] = v01.x; vf[E - 1] = v01.y;
+      }
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) d = fmaf(q[h][e], kf[e], d);
+        for (int o = 16; o >= 1; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        const float sc = d * scale;
+        const float mn = fmaxf(m[h], sc);
+        const float alpha = __expf(m[h] - mn), p = __expf(sc - mn);
+        l[h] = fmaf(l[h], alpha, p);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[h][e] = fmaf(acc[h][e], alpha, p * vf[e]);
+        m[h] = mn;
+      }
+    }
+    // The CTA's warps merge: (m, l, acc) per warp to shared memory, then per (head, dim).
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) {
+      float* wp = wpart + (warp * GQA + h) * (D + 2);
+#pragma unroll
+      for (int e = 0; e < E; ++e) wp[lane * E + e] = acc[h][e];
+      if (lane == 0) { wp[D] = m[h]; wp[D + 1] = l[h]; }
+    }
+    __syncthreads();   // all threads: every warp's part is in shared memory
+    float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);
+    half* attn = ptr<half>(c.tab, T_ATTN);
+    for (int i = threadIdx.x; i < GQA * (D + 2); i += kThreads) {
+      const int h = i / (D + 2), d = i % (D + 2);
+      float M = NQ_NEG_INF;
+      for (int w2 = 0; w2 < kWarps; ++w2) M = fmaxf(M, wpart[(w2 * GQA + h) * (D + 2) + D]);
+      float v = 0.f;
+      if (M != NQ_NEG_INF) {
+        if (d == D) v = M;
+        else
+          for (int w2 = 0; w2 < kWarps; ++w2) {
+            const float* wp = wpart + (w2 * GQA + h) * (D + 2);
+            v += wp[d == D + 1 ? D + 1 : d] * __expf(wp[D] - M);
+          }
+      } else if (d == D) {
+        v = M;
+      }
+      if (splits == 1) {
+        if (d < D) {                                 // l of this head: one more pass
+          float L = 0.f;
+          for (int w2 = 0; w2 < kWarps; ++w2) {
+            const float* wp = wpart + (w2 * GQA + h) * (D + 2);
+            L += wp[D + 1] * __expf(wp[D] - M);
+          }
+          attn[(g * GQA + h) * D + d] = __float2half_rn(v / L);
+        }
+      } else {
+        __stcg(aws + i, v);
+      }
+    }
+    if (splits > 1) {
+      __shared__ int last;
+      __syncthreads();   // all threads: this split's (m, l, acc) are stored
+      if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(ptr<int>(c.tab, T_ATTN_CNT) + g, 1) == splits - 1;
+      }
+      __syncthreads();   // all threads: last known
+      if (last) {
+        __threadfence();
+        const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
+        for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
+          const int h = i / D, d = i % D;
+          float M = NQ_NEG_INF;
+          for (int s2 = 0; s2 < splits; ++s2) M = fmaxf(M, __ldcg(base + ((size_t)s2 * GQA + h) * (D + 2) + D));
+          float L = 0.f, A = 0.f;
+          for (int s2 = 0; s2 < splits; ++s2) {
+            const float* p = base + ((size_t)s2 * GQA + h) * (D + 2);
+            const float ms = __ldcg(p + D);
+            if (ms == NQ_NEG_INF) continue;            // an empty split
+            const float e = __expf(ms - M);
+            L = fmaf(__ldcg(p + D + 1), e, L);
+            A = fmaf(__ldcg(p + d), e, A);
+          }
+          attn[(g * GQA + h) * D + d] = __float2half_rn(A / L);
+        }
+        if (threadIdx.x == 0) ptr<int>(c.tab, T_ATTN_CNT)[g] = 0;
+      }
+    }
+  }
+  signal_done(c, idx, layer, K_ATTN, c.grid);
+}
+// [/pd-attention]
+
+// ---- head: final norm, lm_head, argmax, bookkeeping ---------------------------------------
+__device__ __forceinline__ uint4 ldg_stream16(const uint4* p) { return nq::ldg_stream(p); }
+__device__ __forceinline__ float dot8(float acc, const uint4& w, const float4& xa, const float4& xb) {
+  const half2* h = reinterpret_cast<const half2*>(&w);
+  const float2 w0 = __half22float2(h[0]), w1 = __half22float2(h[1]);
+  const float2 w2 = __half22float2(h[2]), w3 = __half22float2(h[3]);
+  acc = fmaf(w0.x, xa.x, acc); acc = fmaf(w0.y, xa.y, acc);
+  acc = fmaf(w1.x, xa.z, acc); acc = fmaf(w1.y, xa.w, acc);
+  acc = fmaf(w2.x, xb.x, acc); acc = fmaf(w2.y, xb.y, acc);
+  acc = fmaf(w3.x, xb.z, acc); acc = fmaf(w3.y, xb.w, acc);
+  return acc;
+}
+
+__device__ void head(Ctx& c, int idx, int num_layers, unsigned char* smem, float* red) {
+  begin_instruction(c);
+  const half* W = ptr<const half>(c.tab, T_LM_HEAD);
+  const int r_begin = (int)((long long)blockIdx.x * V / c.grid), r_end = (int)((long long)(blockIdx.x + 1) * V / c.grid);
+  if (threadIdx.x < 32) {
+    const unsigned total = (unsigned)(r_end - r_begin) * H * 2u, cap = NQ_PD_PREFETCH_KB * 1024u;
+    for (unsigned off = threadIdx.x * 16384u; off < min(total, cap); off += 32 * 16384u)
+      prefetch_l2(reinterpret_cast<const unsigned char*>(W + (size_t)r_begin * H) + off, min(16384u, min(total, cap) - off) & ~15u);
+  }
+  wait_inputs(c);
+  float* xs = reinterpret_cast<float*>(smem);
+  const half* x = ptr<const half>(c.tab, T_X);
+  const half* nw = ptr<const half>(c.tab, T_NORM);
+  const float rinv = rms_inv(x, red, c.eps);
+  for (int ch = threadIdx.x; ch < H / 8; ch += kThreads) {     // y = fp16(norm), staged as fp32
+    const uint4 y = norm_chunk(x, nw, rinv, ch);
+    const half* yh = reinterpret_cast<const half*>(&y);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xs[8 * ch + i] = __half2float(yh[i]);
+  }
+  __syncthreads();   // all threads: xs complete
+  const float4* xs4 = reinterpret_cast<const float4*>(xs);
+  float* logits = ptr<float>(c.tab, T_LOGITS);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr int chunks = H / 8;
+  nq::ArgBest best{NQ_NEG_INF, V};
+  for (int r0 = r_begin + warp * kLmRows; r0 < r_end; r0 += kWarps * kLmRows) {
+    const uint4* rows[kLmRows];
+#pragma unroll
+    for (int r = 0; r < kLmRows; ++r) rows[r] = reinterpret_cast<const uint4*>(W + (size_t)min(r0 + r, r_end - 1) * H);
+    float acc[kLmRows];
+#pragma unroll
+    for (int r = 0; r < kLmRows; ++r) acc[r] = 0.f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * kLmUnroll) {
+      uint4 wv[kLmUnroll][kLmRows];
+#pragma unroll
+      for (int k = 0; k < kLmUnroll; ++k)
+#pragma unroll
+        for (int r = 0; r < kLmRows; ++r)
+          if (c0 + 32 * k < chunks) wv[k][r] = ldg_stream16(rows[r] + c0 + 32 * k);
+#pragma unroll
+      for (int k = 0; k < kLmUnroll; ++k) {
+        const int ch = c0 + 32 * k;
+        if (ch < chunks) {
+          const float4 xa = xs4[2 * ch], xb = xs4[2 * ch + 1];
+#pragma unroll
+          for (int r = 0; r < kLmRows; ++r) acc[r] = dot8(acc[r], wv[k][r], xa, xb);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kLmRows; ++r) {
+      for (int o = 16; o >= 1; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+      if (r0 + r < r_end) {
+        if (lane == 0) logits[r0 + r] = acc[r];
+        best.take(acc[r], r0 + r);
+      }
+    }
+  }
+  int* token = c.scalars + S_TOKEN * NQ_SCALAR_STRIDE;
+  const bool wrote = nq::argmax_finish<kThreads>(best, ptr<float>(c.tab, T_ARG_VAL), ptr<int>(c.tab, T_ARG_IDX),
+                                                 ptr<unsigned>(c.tab, T_ARG_CNT), token);
+  if (wrote && threadIdx.x == 0) {                 // engine_step.cu's nq_step_end
+    int* s = c.scalars;
+    const int p = s[S_POSITION * NQ_SCALAR_STRIDE];
+    ptr<int>(c.tab, T_GENERATED)[p] = *token;
+    s[S_POSITION * NQ_SCALAR_STRIDE] = p + 1;
+  }
+  signal_done(c, idx, num_layers, K_LM_HEAD, c.grid);
+}
+}  // namespace pd
+
+// [pd-entry]
+// tab: int64 [32 + 16 * num_layers] (persistent.py); layers [first_layer, last_layer) run;
+// flags: F_BEGIN (bookkeeping + embed first), F_HEAD (lm_head + argmax + bookkeeping last);
+// new_page: this position starts a page (pop one from the free list, as nq_step_begin);
+// eps: the rmsnorm epsilon.
+// grid: one CTA per SM (all resident: 1 CTA of kThreads fits an SM by registers and shared
+// memory, checked by the launcher); block kThreads; dynamic shared memory pd::kSmemBytes.
+extern "C" __global__ void __launch_bounds__(pd::kThreads, 1)
+nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int last_layer, int num_layers,
+                     int flags, int new_page, float eps) {
+  using namespace pd;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ float red[kWarps];
+  __shared__ float part[kWarps][kKmax][16];
+  Ctx c;
+  c.tab = tab;
+  c.scalars = ptr<int>(tab, T_SCALARS);
+  c.sync = ptr<unsigned>(tab, T_SYNC);
+  c.grid = gridDim.x;
+  c.eps = eps;
+  c.prev = -1;
+  c.prev_target = 0;
+  c.tl = NQ_PD_TIMELINE ? ptr<long long>(tab, T_TIMELINE) + (size_t)blockIdx.x * (5 * num_layers + 3) * 4 : nullptr;
+  c.tl_n = 0;
+  c.t_begin = c.t_ready = 0;
+  unsigned dyn;
+  asm("mov.u32 %0, %dynamic_smem_size;" : "=r"(dyn));
+  if (dyn < (unsigned)kSmemBytes) {                  // launched with too little: refuse, loudly
+    if (threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 4);
+    return;
+  }
+  const int kDone = 2 + 5 * num_layers;
+
+  if (flags & F_BEGIN) {
+    begin_instruction(c);
+    if (blockIdx.x == 0) {
+      __shared__ int tok;
+      if (threadIdx.x == 0) {                         // engine_step.cu's nq_step_begin
+        int* s = c.scalars;
+        const int p = s[S_POSITION * NQ_SCALAR_STRIDE];
+        const int page = p / NQ_PAGE_TOKENS;
+        int* bt = ptr<int>(tab, T_BLOCK_TABLE);
+        if (page >= (int)tab[T_MAX_PAGES]) {
+          s[S_ERROR * NQ_SCALAR_STRIDE] = 1;
+        } else {
+          bool ok = true;
+          if (new_page) {
+            const int top = s[S_FREE_TOP * NQ_SCALAR_STRIDE] - 1;
+            if (top < 0) { s[S_ERROR * NQ_SCALAR_STRIDE] = 2; ok = false; }
+            else { bt[page] = ptr<const int>(tab, T_FREE_PAGES)[top]; s[S_FREE_TOP * NQ_SCALAR_STRIDE] = top; }
+          }
+          if (ok) {
+            s[S_SLOT * NQ_SCALAR_STRIDE] = bt[page] * NQ_PAGE_TOKENS + p % NQ_PAGE_TOKENS;
+            s[S_CONTEXT * NQ_SCALAR_STRIDE] = p + 1;
+          }
+        }
+        tok = s[S_TOKEN * NQ_SCALAR_STRIDE];
+      }
+      __syncthreads();   // CTA 0: tok known
+      const bool ok = tok >= 0 && tok < V;           // decode_ops.cu's nq_embed: a bad id -> NaN row
+      const uint4* src = reinterpret_cast<const uint4*>(ptr<const half>(tab, T_EMBED) + (size_t)(ok ? tok : 0) * H);
+      const uint4 nan4 = make_uint4(0x7E007E00u, 0x7E007E00u, 0x7E007E00u, 0x7E007E00u);
+      for (int ch = threadIdx.x; ch < H / 8; ch += kThreads)
+        reinterpret_cast<uint4*>(ptr<half>(tab, T_X))[ch] = ok ? __ldg(src + ch) : nan4;
+    }
+    signal_done(c, 0, 0, K_BEGIN, 1);
+  }
+  for (int l = first_layer; l < last_layer; ++l) {
+    const long long* lt = tab + kLayerBase + kLayerStride * l;
+    const int i0 = 1 + 5 * l;
+    gemv<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS, ST_NORM, EP_BIAS>(
+        c, i0, l, K_QKV, ptr<const unsigned char>(lt, L_QKV), ptr<const half>(tab, T_X), ptr<const half>(lt, L_LN1),
+        ptr<const half>(lt, L_QKV_BIAS), ptr<half>(tab, T_QKV), smem, red, part);
+    attention(c, i0 + 1, l, lt, smem);
+    gemv<kO.N, kO.K, kO.TG, kO.KS, ST_X, EP_RESIDUAL>(
+        c, i0 + 2, l, K_O, ptr<const unsigned char>(lt, L_O), ptr<const half>(tab, T_ATTN), nullptr, nullptr,
+        ptr<half>(tab, T_X), smem, red, part);
+    gemv<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS, ST_NORM, EP_PLAIN>(
+        c, i0 + 3, l, K_GATE_UP, ptr<const unsigned char>(lt, L_GATE_UP), ptr<const half>(tab, T_X),
+        ptr<const half>(lt, L_LN2), nullptr, ptr<half>(tab, T_GATE_UP), smem, red, part);
+    gemv<kDown.N, kDown.K, kDown.TG, kDown.KS, ST_SWIGLU, EP_RESIDUAL>(
+        c, i0 + 4, l, K_DOWN, ptr<const unsigned char>(lt, L_DOWN), ptr<const half>(tab, T_GATE_UP), nullptr,
+        nullptr, ptr<half>(tab, T_X), smem, red, part);
+  }
+  if (flags & F_HEAD) head(c, 1 + 5 * num_layers, num_layers, smem, red);
+
+  // The last CTA out resets every counter for the next launch: all CTAs have passed all
+  // their waits once they arrive here.
+  begin_instruction(c);
+  __syncthreads();   // all threads: this CTA is done
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(c.sync + kDone, 1u) == (unsigned)c.grid - 1) {
+      for (int i = 0; i <= kDone; ++i) c.sync[i] = 0u;
+      __threadfence();
+    }
+#if NQ_PD_TIMELINE
+    long long* row = c.tl + 4 * c.tl_n;
+    row[0] = num_layers * 16 + K_END; row[1] = (long long)c.t_begin; row[2] = (long long)c.t_begin;
+    row[3] = (long long)now_ns();
+#endif
+  }
+}
+// [/pd-entry]

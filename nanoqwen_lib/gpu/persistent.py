@@ -1,0 +1,158 @@
+"""The persistent decode step (kernels/decode_persistent.cu): one kernel per token, one CTA
+per SM, walking the layer's instructions with dependency counters in device memory.
+
+The engine (gpu.engine, decode="persistent") owns the arena; this module adds what the
+kernel needs besides it: the layout-3 copies of the four INT4 projections
+(format/stream_layout.py; the prefill keeps reading layout 1), the counters and
+workspaces, the pointer table, and the launch. Nothing here runs without a GPU except the
+pure functions (table order, shared-memory size), which the CPU tests check against the
+kernel source.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nanoqwen_lib.config import ModelDims, load, persistent_plan
+from nanoqwen_lib.errors import LimitError
+from nanoqwen_lib.format.layout import decode_gemv_shapes
+from nanoqwen_lib.format.stream_layout import stream_bytes
+
+KERNEL = "decode_persistent"
+TUNING = load().tuning[KERNEL].defines
+# The pointer table's order (decode_persistent.cu enum Tab and enum LayerTab, same names).
+TAB_GLOBALS = ("EMBED", "NORM", "LM_HEAD", "LOGITS", "SCALARS", "BLOCK_TABLE", "FREE_PAGES", "GENERATED",
+               "X", "QKV", "ATTN", "GATE_UP", "SYNC", "WS", "TILE_CNT", "ATTN_WS", "ATTN_CNT",
+               "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES")
+TAB_LAYER = ("QKV", "O", "GATE_UP", "DOWN", "LN1", "LN2", "QKV_BIAS", "K", "V")
+LAYER_BASE, LAYER_STRIDE = 32, 16
+MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, in order
+F_BEGIN, F_HEAD = 1, 2
+ERRORS = {3: "a dependency wait timed out (NQ_PD_TIMEOUT_MS)", 4: "launched with too little shared memory",
+          5: "a warp's blocks span more than NQ_PD_KMAX tiles (plan)"}
+
+
+def instructions(num_layers: int) -> int:
+    """Instructions of one full step: begin, 5 per layer, head, end (the timeline's rows)."""
+    return 5 * num_layers + 3
+
+
+def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
+    """Dynamic shared memory of the kernel (its kSmemBytes): the largest staging of any
+    instruction. The kernel refuses a launch with less (scalars[error] = 4)."""
+    t = dict(TUNING, **(defines or {}))
+    gqa = dims.num_heads // dims.num_kv_heads
+    group, xgroup = load().format.group_size, 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]
+    x = max(-(-(k // group) // plan[f"NQ_PD_{m}_KS"]) * xgroup
+            for m, k in (("QKV", dims.hidden), ("O", dims.q_dim), ("GU", dims.hidden), ("DOWN", dims.intermediate)))
+    attn = (t["NQ_PD_WARPS"] * gqa * (dims.head_dim + 2) + gqa * dims.head_dim) * 4
+    return max(x, attn, dims.hidden * 4)
+
+
+def layer_stream_slots(dims: ModelDims) -> dict[str, int]:
+    """matrix -> bytes of its layout-3 copy (arena slot `w.<l>.<matrix>.s3`)."""
+    return {m: stream_bytes(n, k) for m, (n, k) in decode_gemv_shapes(dims).items()}
+
+
+def add_slots(plan, dims: ModelDims) -> None:
+    """The arena slots of the layout-3 copies, every layer."""
+    for l in range(dims.num_layers):
+        for m, nbytes in layer_stream_slots(dims).items():
+            plan.add(f"w.{l}.{m}.s3", np.uint8, (nbytes,))
+
+
+class PersistentStep:
+    """The kernel, its buffers and its pointer table for one engine (GpuBackend)."""
+
+    def __init__(self, eng, timeline: bool = False):
+        import cupy as cp
+        from nanoqwen_lib.gpu.cuda_build import load_module
+        self.cp, self.eng = cp, eng
+        dims = self.dims = eng.dims
+        dev = cp.cuda.Device()
+        self.grid = dev.attributes["MultiProcessorCount"]
+        self.plan = persistent_plan(dims, self.grid)
+        self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline))
+        self.timeline_on = timeline
+        self.kernel = load_module(KERNEL, dims, self.defines).get_function("nq_decode_persistent")
+        self.threads = 32 * TUNING["NQ_PD_WARPS"]
+        self.smem = smem_bytes(dims, self.plan)
+        self.kernel.max_dynamic_shared_size_bytes = self.smem
+        self._check_residency(dev)
+        a, L = eng.arena, dims.num_layers
+        gqa = dims.num_heads // dims.num_kv_heads
+        ws_rows = max(self.plan[f"NQ_PD_{m}_KS"] * n
+                      for m, n in (("QKV", dims.qkv_dim), ("O", dims.hidden), ("GU", 2 * dims.intermediate),
+                                   ("DOWN", dims.hidden)))
+        self.buf = {
+            "SYNC": cp.zeros(instructions(L), cp.uint32),
+            "WS": cp.zeros(ws_rows, cp.float32),
+            "TILE_CNT": cp.zeros(max(self.plan[f"NQ_PD_{m}_TG"] for m in ("QKV", "O", "GU", "DOWN")), cp.int32),
+            "ATTN_WS": cp.zeros(dims.num_kv_heads * TUNING["NQ_PD_ATTN_SPLITS"] * gqa * (dims.head_dim + 2),
+                                cp.float32),
+            "ATTN_CNT": cp.zeros(dims.num_kv_heads, cp.int32),
+            "ARG_VAL": cp.zeros(self.grid, cp.float32),
+            "ARG_IDX": cp.zeros(self.grid, cp.int32),
+            "ARG_CNT": cp.zeros(1, cp.uint32),
+            "TIMELINE": cp.full((self.grid, instructions(L), 4) if timeline else (1,), -1, cp.int64),
+        }
+        g = {"EMBED": a["w.embed"], "NORM": a["w.norm"], "LM_HEAD": eng.lm_head, "LOGITS": a["a.logits"],
+             "SCALARS": a["s.scalars"], "BLOCK_TABLE": a["s.block_table"], "FREE_PAGES": a["s.free_pages"],
+             "GENERATED": a["s.generated"], "X": a["a.x"], "QKV": a["a.qkv"], "ATTN": a["a.attn"],
+             "GATE_UP": a["a.gate_up"], "INV_FREQ": eng.attn.kernels(dims).inv_freq, **self.buf}
+        tab = np.zeros(LAYER_BASE + LAYER_STRIDE * L, np.int64)
+        for i, name in enumerate(TAB_GLOBALS):
+            tab[i] = eng.pages if name == "MAX_PAGES" else g[name].data.ptr
+        for l in range(L):
+            w = f"w.{l}."
+            row = {"QKV": a[w + "qkv.s3"], "O": a[w + "o_proj.s3"], "GATE_UP": a[w + "gate_up.s3"],
+                   "DOWN": a[w + "down.s3"], "LN1": a[w + "ln1"], "LN2": a[w + "ln2"],
+                   "QKV_BIAS": a[w + "qkv.bias"], "K": eng.kv[l, 0], "V": eng.kv[l, 1]}
+            for i, name in enumerate(TAB_LAYER):
+                tab[LAYER_BASE + LAYER_STRIDE * l + i] = row[name].data.ptr
+        self.tab = cp.asarray(tab)
+
+    def _check_residency(self, dev) -> None:
+        """Every CTA must be resident at once (they wait on each other): one CTA per SM must
+        fit by registers and shared memory, or the launch is refused here."""
+        regs = self.kernel.num_regs * self.threads
+        smem = self.smem + self.kernel.shared_size_bytes
+        if regs > dev.attributes["MaxRegistersPerMultiprocessor"]:
+            raise LimitError(f"kernels/{KERNEL}.cu", "registers per CTA",
+                             f"<= {dev.attributes['MaxRegistersPerMultiprocessor']}", regs)
+        if smem > dev.attributes["MaxSharedMemoryPerMultiprocessor"]:
+            raise LimitError(f"kernels/{KERNEL}.cu", "shared memory per CTA",
+                             f"<= {dev.attributes['MaxSharedMemoryPerMultiprocessor']}", smem)
+
+    @staticmethod
+    def upload_streams(arena, dims: ModelDims) -> None:
+        """Layout-3 copies of the four projections of every layer, repacked on the GPU from
+        the layout-1 words and scales already in the arena (format.stream_layout.to_stream,
+        the same code as the NumPy repacker)."""
+        from nanoqwen_lib.format.stream_layout import to_stream
+        for l in range(dims.num_layers):
+            for m in MATRICES:
+                w = f"w.{l}.{m}"
+                arena[w + ".s3"][...] = to_stream(arena[w + ".qweight"], arena[w + ".scales"])
+
+    def reset(self) -> None:
+        """Counters to zero (the kernel leaves them so; a timed-out launch may not)."""
+        for name in ("SYNC", "TILE_CNT", "ATTN_CNT", "ARG_CNT"):
+            self.buf[name].fill(0)
+
+    def launch(self, new_page: bool, first_layer: int = 0, last_layer: int | None = None,
+               flags: int = F_BEGIN | F_HEAD) -> None:
+        """Enqueue the step (or layers [first, last) alone, flags 0) on the current stream."""
+        d = self.dims
+        last = d.num_layers if last_layer is None else last_layer
+        self.kernel((self.grid,), (self.threads,),
+                    (self.tab, np.int32(first_layer), np.int32(last), np.int32(d.num_layers), np.int32(flags),
+                     np.int32(new_page), np.float32(d.rms_eps)), shared_mem=self.smem)
+
+    def timeline(self) -> np.ndarray:
+        """The diagnostic build's records of the last launch, int64 [grid, instructions, 4]
+        (measure.timeline reads them); then cleared to -1 for the next."""
+        if not self.timeline_on:
+            raise LimitError(f"kernels/{KERNEL}.cu", "NQ_PD_TIMELINE", "a timeline build (timeline=True)", 0)
+        out = self.buf["TIMELINE"].get()
+        self.buf["TIMELINE"].fill(-1)
+        return out
