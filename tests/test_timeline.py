@@ -1,0 +1,157 @@
+"""measure.timeline: the persistent kernel's per-CTA event buffer, summed up and drawn (CPU, Agg)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen_lib.errors import NanoqwenError
+from nanoqwen_lib.measure import timeline as tl
+
+G, L, E = 8, 2, 16
+T0 = 1_700_000_000_000_000_000            # %globaltimer is ns since the epoch
+PROGRAM = ([(0, "begin")] + [(layer, k) for layer in range(L) for k in ("qkv", "attention", "o_proj", "gate_up", "down")]
+           + [(L, "lm_head"), (L, "end")])
+
+
+def synthetic() -> np.ndarray:
+    """13 instructions on 8 CTAs: instruction i on CTA g begins at 1000 i + 10 g, is ready
+    100 + 5 g later and ends 600 + 20 g after its begin; but CTA 3's begin ends 1500 later
+    (so qkv 0 ends before it and owns nothing) and only CTAs 0..3 run lm_head."""
+    buf = np.full((G, E, 4), -1, np.int64)
+    for g in range(G):
+        row = 0
+        for i, (layer, kind) in enumerate(PROGRAM):
+            if kind == "lm_head" and g >= 4:
+                continue
+            b = T0 + 1000 * i + 10 * g
+            end = b + 600 + 20 * g + (1500 if (i, g) == (0, 3) else 0)
+            buf[g, row] = (tl.code_of(layer, kind), b, b + 100 + 5 * g, end)
+            row += 1
+    return buf
+
+
+# kind: (count, span, exposed, summed mean wait), worked out by hand from synthetic()'s rule
+EXPECTED = {
+    "begin": (1, 2190, 2190, 117.5),
+    "qkv": (2, 1620, 0 + 1000, 235.0),
+    "attention": (2, 1620, 620 + 1000, 235.0),
+    "o_proj": (2, 1620, 2000, 235.0),
+    "gate_up": (2, 1620, 2000, 235.0),
+    "down": (2, 1620, 2000, 235.0),
+    "lm_head": (1, 690, 880, 107.5),
+    "end": (1, 810, 1120, 117.5),
+}
+
+
+def test_kinds_and_codes():
+    assert tl.KINDS == ("begin", "qkv", "attention", "o_proj", "gate_up", "down", "lm_head", "end")
+    assert len(tl.KINDS) <= tl.CODE_STRIDE == 16
+    assert tl.code_of(0, "begin") == 0 and tl.code_of(3, "down") == 53 and tl.code_of(28, "end") == 28 * 16 + 7
+    assert set(tl.TIMELINE_COLORS) == set(tl.KINDS)
+
+
+def test_events_relative_to_the_earliest_begin():
+    ev = tl.events_from_buffer(synthetic())
+    assert len(ev) == 13 * G - 4
+    assert ev["t_begin"].min() == 0 and ev["t_end"].max() == 12810
+    first = ev[(ev["cta"] == 3)][0]
+    assert (first["code"], first["layer"], tl.KINDS[first["kind"]]) == (0, 0, "begin")
+    assert (first["t_begin"], first["t_ready"], first["t_end"]) == (30, 145, 2190)
+    last = ev[ev["cta"] == 7][-1]
+    assert (last["layer"], tl.KINDS[last["kind"]], last["t_end"]) == (L, "end", 12810)
+
+
+def test_summarize_exact():
+    s = tl.summarize(synthetic(), {"qkv": 800.0, "down": 2500.0})
+    assert (s["ctas"], s["events"], s["total_ns"], len(s["instructions"])) == (G, 13 * G - 4, 12810, 13)
+    assert list(s["kinds"]) == list(tl.KINDS)
+    for name, (count, span, exposed, wait) in EXPECTED.items():
+        r = s["kinds"][name]
+        assert (r["count"], r["span_ns"], r["exposed_ns"]) == (count, span, exposed), name
+        assert r["wait_ns"] == pytest.approx(wait) and r["mean_wait_ns"] == pytest.approx(wait / count), name
+    assert sum(r["exposed_ns"] for r in s["kinds"].values()) == s["total_ns"]
+    assert s["kinds"]["qkv"]["floor_ns"] == 800.0 and s["kinds"]["qkv"]["above_floor_ns"] == 200.0
+    assert s["kinds"]["down"]["above_floor_ns"] == -500.0
+    assert s["kinds"]["attention"]["floor_ns"] is None and s["kinds"]["attention"]["above_floor_ns"] is None
+    lm = [i for i in s["instructions"] if i["kind"] == "lm_head"][0]
+    assert (lm["layer"], lm["ctas"], lm["t_begin"], lm["t_end"]) == (L, 4, 11000, 11690)
+    assert [i["code"] for i in s["instructions"]] == [tl.code_of(layer, k) for layer, k in PROGRAM]
+
+
+def test_wait_adds_a_ctas_rows_of_one_code():
+    """Two rows of one code on a CTA (two work items): their waits add up, then the mean over CTAs."""
+    buf = np.full((2, 3, 4), -1, np.int64)
+    buf[0, 0] = (17, 0, 10, 20)
+    buf[0, 1] = (17, 20, 50, 60)
+    buf[1, 0] = (17, 5, 15, 30)
+    (i,) = tl.instructions(buf)
+    assert (i["ctas"], i["span_ns"], i["exposed_ns"], i["wait_ns"]) == (2, 60, 60, 25.0)
+
+
+def test_format_summary():
+    text = tl.format_summary(tl.summarize(synthetic(), {"qkv": 800.0}))
+    lines = text.splitlines()
+    assert "0.0128 ms" in lines[0] and "8 CTAs" in lines[0]
+    assert lines[1].split()[:3] == ["kind", "count", "span"]
+    qkv = next(line for line in lines if line.startswith("qkv ")).split()
+    assert qkv == ["qkv", "2", "0.0016", "0.0010", "7.8%", "0.0008", "0.0002", "0.12"]
+    assert next(line for line in lines if line.startswith("token")).split()[:3] == ["token", "13", "0.0128"]
+
+
+def _error(buf) -> str:
+    with pytest.raises(NanoqwenError) as e:
+        tl.events_from_buffer(buf)
+    return str(e.value)
+
+
+def test_bad_buffers_are_named():
+    good = synthetic()
+    msg = _error(good[..., :3])
+    assert "timeline buffer: shape: expected [G, E, 4]" in msg and "found [8, 16, 3]" in msg
+    assert "shape" in _error(good[0])
+    assert "dtype: expected int64, found float64" in _error(good.astype(np.float64))
+    assert "dtype: expected int64, found int32" in _error(good.astype(np.int32))
+    assert "type:" in _error(good.tolist())
+    assert "at least one used row" in _error(np.full((2, 3, 4), -1, np.int64))
+    bad = good.copy()
+    bad[2, 5, 2] = -1
+    assert "row [2, 5]: expected all four fields set, or all -1" in _error(bad)
+    bad = good.copy()
+    bad[1, 15] = bad[1, 0]
+    assert "row [1, 15]" in _error(bad) and "used row after an unused one" in _error(bad)
+    bad = good.copy()
+    bad[4, 2, 0] = 8
+    assert "row [4, 2] code" in _error(bad) and "found 8" in _error(bad)
+    bad = good.copy()
+    bad[6, 3, 2] = bad[6, 3, 1] - 1
+    assert "row [6, 3] times: expected t_begin <= t_ready <= t_end" in _error(bad)
+    bad = good.copy()
+    bad[0, 1, 0], bad[0, 2, 0] = bad[0, 2, 0], bad[0, 1, 0]
+    assert "row [0, 2] code" in _error(bad) and "program order" in _error(bad)
+    with pytest.raises(NanoqwenError, match="floor_ns_by_kind"):
+        tl.summarize(good, {"mlp": 1.0})
+
+
+def test_plot_timeline_draws():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ev = tl.events_from_buffer(synthetic())
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+    ax = tl.plot_timeline(ev, ax=axes[0], title="one token")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(tl.KINDS) + ["waiting (lighter)"]
+    assert ax.get_ylim() == (G - 0.5, -0.5)
+    lo, hi = ax.get_xlim()
+    assert lo < 0 and hi > 12.81
+    zoom = tl.plot_timeline(synthetic(), ax=axes[1], layers=range(1, 2))
+    lo, hi = zoom.get_xlim()
+    assert 5.9 < lo < 6.0 and 10.81 < hi < 11.0                       # layer 1: instructions 6..10
+    assert [t.get_text() for t in zoom.get_legend().get_texts()][:2] == ["qkv", "attention"]
+    fig.canvas.draw()
+    plt.close(fig)
+    with pytest.raises(NanoqwenError, match="layers"):
+        tl.plot_timeline(ev, layers=[7])
+    ax = tl.plot_timeline(ev)                                          # its own figure
+    ax.figure.canvas.draw()
+    plt.close(ax.figure)
