@@ -216,7 +216,8 @@ def cmd_bench(a) -> int:
         raise LimitError(a.file, "GPU", "a CUDA GPU for benchmark_e2e", "none (cupy sees no device)")
     r = benchmark_e2e(f, a.prompt_tokens, a.gen_tokens, a.warmup,
                       progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True),
-                      prefill=a.prefill, breakdown=a.breakdown, prefill_gemm=a.prefill_gemm)
+                      prefill=a.prefill, breakdown=a.breakdown, prefill_gemm=a.prefill_gemm,
+                      decode=a.decode, baseline=not a.no_baseline)
     if a.peers:
         from nanoqwen_lib.measure.peers import run_peers
         r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True),
@@ -308,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-gemm", choices=["wgmma", "mma"], default=None,
                    help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm; "
                         "mma is the earlier mma.sync kernel, for comparison)")
+    s.add_argument("--decode", choices=["persistent", "graph"], default=None,
+                   help="the decode step (default: nanoqwen.yaml engine.decode): one persistent kernel a token, "
+                        "or the kernel-per-op CUDA graph")
+    s.add_argument("--no-baseline", action="store_true",
+                   help="with the persistent step: skip timing the kernel-per-op graph beside it")
     s.add_argument("--json", type=Path, help="write all results, GPU name, clocks and git commit here")
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
     s.set_defaults(fn=cmd_bench)

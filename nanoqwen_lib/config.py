@@ -514,8 +514,10 @@ def persistent_plan(dims: ModelDims, sms: int | None = None) -> dict[str, int]:
             if best is None or cost < best[0]:
                 best = (cost, tg, ks)
         if best is None:
-            raise ValueError(f"persistent_plan: no split of {name} ({n} x {k}) over {sms} CTAs keeps "
-                             f"a warp within NQ_PD_KMAX = {kmax} tiles")
+            from nanoqwen_lib.errors import LimitError
+            raise LimitError("kernels/decode_persistent.cu", f"{name} GEMV ({n} x {k}) over {sms} CTAs",
+                             f"a split whose warps each touch <= NQ_PD_KMAX = {kmax} tiles",
+                             "none (too few SMs: use decode=graph)")
         out[f"NQ_PD_{name}_TG"], out[f"NQ_PD_{name}_KS"] = best[1], best[2]
     return out
 # [/persistent-plan]

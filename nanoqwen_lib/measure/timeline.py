@@ -286,3 +286,46 @@ def plot_timeline(events, ax=None, layers=None, title: str = ""):
     if title:
         ax.set_title(title)
     return ax
+
+
+# The decode regions (gpu.layer) whose bytes are each kind's floor.
+REGION_OF_KIND = {"begin": "embed", "qkv": "qkv_gemv", "attention": "paged_attention", "o_proj": "o_proj",
+                  "gate_up": "gate_up_gemv", "down": "swiglu_down", "lm_head": "lm_head+argmax"}
+
+
+def floors_ns(dims, context_tokens: int, ceiling_tbps: float, encoding: str = "int4") -> dict[str, float]:
+    """kind -> ns its bytes take at the read ceiling, all layers of one token at `context_tokens`
+    (gpu.layer.decode_region_bytes; the norms' few bytes ride with qkv and gate_up)."""
+    from nanoqwen_lib.gpu.layer import decode_region_bytes
+    b = decode_region_bytes(dims, context_tokens, encoding)
+    return {k: b[r] / (ceiling_tbps * 1e12) * 1e9 for k, r in REGION_OF_KIND.items()}
+
+
+def timeline_token(engine, prompt: list[int], steps: int = 8, keep_events: bool = False) -> dict:
+    """One token of the persistent kernel's diagnostic build (its timeline records), run on
+    the engine's own arena after `prompt` and `steps` - 1 untimed steps: the summary against
+    each kind's floor at the read ceiling measured now, and with keep_events the event rows
+    (plot_timeline's input). The engine's sequence is left where this ends (bench's next
+    prefill resets it)."""
+    from nanoqwen_lib.gpu.persistent import PersistentStep
+    from nanoqwen_lib.measure.timing import measure_read_ceiling
+    diag = PersistentStep(engine, timeline=True)
+    saved, engine.pd = engine.pd, diag
+    try:
+        engine.prefill_enqueue(prompt)
+        for _ in range(steps):
+            diag.buf["TIMELINE"].fill(-1)
+            engine.launch_step(replay=False)
+        engine.token_at(engine.position - 1)
+        buf = diag.timeline()
+    finally:
+        engine.pd = saved
+        with engine.stream:
+            saved.reset()
+    ceiling = measure_read_ceiling()["tbps"]
+    ev = events_from_buffer(buf)
+    s = summarize(ev, floors_ns(engine.dims, engine.position, ceiling, engine.encoding))
+    out = {"summary": s, "ceiling_tbps": ceiling, "context_tokens": engine.position}
+    if keep_events:                      # the plot's input (large: a row per CTA and instruction)
+        out["events"] = ev
+    return out
