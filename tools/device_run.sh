@@ -22,6 +22,17 @@ for what in "$@"; do
     gpu-quick) t0=$(date +%s)
       python3 -m pytest -m "gpu and quick" -q -rfE -p no:cacheprovider 2>&1 | tail -5
       echo "gpu-quick: $(( $(date +%s) - t0 )) s" ;;
+    persistent=*)
+      # persistent=EXPR: the persistent step's GPU tests selected by -k EXPR ("all": every one)
+      k=${what#persistent=}; [ "$k" = all ] && k=""
+      t0=$(date +%s)
+      timeout 500 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/test_gpu_persistent.py ${k:+-k "$k"} 2>&1 \
+        | tee $OUT/persistent.log | grep -E "layer|near-ties|timed out|tiny|7b:|passed|failed|Error|error" | tail -30
+      echo "persistent tests: $(( $(date +%s) - t0 )) s" ;;
+    bench-persistent)
+      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b'))")
+      python3 -m nanoqwen_lib bench "$f" --no-verify --decode persistent --breakdown ${BENCH_ARGS:-} --json $OUT/bench-persistent.json 2>&1 \
+        | tee $OUT/bench-persistent.log | grep -v '^\[' ;;
     engine) python3 -m pytest -q -rfE tests/test_gpu_engine.py 2>&1 | tee $OUT/engine.log | tail -25 ;;
     bench-fp8)
       f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b', weights='fp8'))")
