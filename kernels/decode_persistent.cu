@@ -69,6 +69,8 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kRing = NQ_PD_RING;
 constexpr bool kFold = NQ_PD_FOLD != 0;
 constexpr int kKmax = NQ_PD_KMAX;
+constexpr int kAhead = NQ_PD_L2_AHEAD;          // blocks per warp kept in L2 ahead of its ring
+static_assert(kAhead + kRing <= 32, "one lane per prefetched block");
 constexpr int H = NQ_HIDDEN, I = NQ_INTERMEDIATE, V = NQ_VOCAB;
 constexpr int D = NQ_HEAD_DIM, NH = NQ_NUM_HEADS, KVH = NQ_NUM_KV_HEADS, GQA = NH / KVH;
 constexpr int Q_DIM = NH * D, KV_DIM = KVH * D, QKV_DIM = Q_DIM + 2 * KV_DIM;
@@ -137,6 +139,8 @@ struct Ctx {
   unsigned* sync;
   int grid;
   float eps;                // rmsnorm epsilon
+  const long long* lt;      // this layer's table row
+  const long long* lt_next; // the next layer's (null after the last layer run)
   int prev;                 // counter the next instruction waits on (-1: none)
   unsigned prev_target;
   long long* tl;            // this CTA's timeline rows (diagnostic build) or null
@@ -249,27 +253,39 @@ __device__ __forceinline__ Unit unit_of(int u) {
   return w;
 }
 
-// L2 prefetch of the unit's bytes, up to cap (warp 0: lane i takes tiles i, i + 32, ...).
-template <int K>
-__device__ __forceinline__ void prefetch_unit(const unsigned char* w, const Unit& u, unsigned cap) {
+// The warp's blocks [from, from + count) of its range in the CTA's unit of matrix M (lanes
+// 0 .. count - 1, one 1056-byte block each): cp.async.bulk.prefetch.L2, no registers held.
+__device__ __forceinline__ int warp_first_block(int nb, int warp) { return (int)((long long)warp * nb / kWarps); }
+template <int N, int K, int TG, int KS>
+__device__ __forceinline__ void prefetch_warp(const unsigned char* w, int from, int count) {
   constexpr int G = K / NQ_GROUP_SIZE;
-  if (!u.live || threadIdx.x >= 32) return;
-  const unsigned run = (unsigned)u.ng * nqs3::kBlockBytes;
-  for (int i = threadIdx.x; i < u.nt && (unsigned)i * run < cap; i += 32) {
-    const unsigned char* p = w + ((size_t)(u.t0 + i) * G + u.g0) * nqs3::kBlockBytes;
-    const unsigned bytes = min(run, cap - (unsigned)i * run);
-    if (bytes >= 16) prefetch_l2(p, bytes & ~15u);
-  }
+  const Unit u = unit_of<N, K, TG, KS>(blockIdx.x);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int b = warp_first_block(u.nb, warp) + from + lane, b1 = warp_first_block(u.nb, warp + 1);
+  if (!u.live || lane >= count || b >= b1) return;
+  prefetch_l2(w + ((size_t)(u.t0 + b / u.ng) * G + u.g0 + b % u.ng) * nqs3::kBlockBytes, nqs3::kBlockBytes);
+}
+// Early prefetches ([pd-prefetch]): o_proj's share and the first NQ_PD_EARLY_BLOCKS of
+// gate_up's while attention runs (no weights of its own); the next layer's qkv share while
+// down runs.
+__device__ __forceinline__ void prefetch_during_attention(Ctx& c) {
+  prefetch_warp<kO.N, kO.K, kO.TG, kO.KS>(ptr<const unsigned char>(c.lt, L_O), 0, kRing + kAhead);
+  prefetch_warp<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(ptr<const unsigned char>(c.lt, L_GATE_UP), 0,
+                                                              NQ_PD_EARLY_BLOCKS);
+}
+__device__ __forceinline__ void prefetch_next_qkv(Ctx& c) {
+  if (c.lt_next) prefetch_warp<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(ptr<const unsigned char>(c.lt_next, L_QKV), 0, 32);
 }
 
-template <int N, int K, int TG, int KS, int kStage, int kEpi>
+template <int N, int K, int TG, int KS, int kStage, int kEpi, bool kPrefetchNextQkv = false>
 __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* w, const half* act,
                      const half* norm_w, const half* bias, half* out, unsigned char* xs, float* red,
                      float (*part)[kKmax][16]) {
   constexpr int G = K / NQ_GROUP_SIZE;
   begin_instruction(c);
   const Unit u = unit_of<N, K, TG, KS>(blockIdx.x);
-  prefetch_unit<K>(w, u, NQ_PD_PREFETCH_KB * 1024u);
+  prefetch_warp<N, K, TG, KS>(w, kRing, kAhead);      // the blocks after the ring's, into L2
+  if (kPrefetchNextQkv) prefetch_next_qkv(c);          // a later instruction's weights ([pd-prefetch])
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int b0 = (int)((long long)warp * u.nb / kWarps), b1 = (int)((long long)(warp + 1) * u.nb / kWarps);
   // The warp's first kRing blocks fly before the wait.
@@ -330,6 +346,8 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     };
 #pragma unroll 1
     for (int b = b0; b < b1; b += kRing) {
+      const int tb = b + kRing + kAhead + lane;          // keep kAhead blocks ahead of the ring in L2
+      if (lane < kRing && tb < b1) prefetch_l2(block_ptr(tb / u.ng, tb % u.ng), nqs3::kBlockBytes);
 #pragma unroll
       for (int i = 0; i < kRing; ++i) {
         if (b + i < b1) {                                // warp-uniform
@@ -407,27 +425,67 @@ __device__ __forceinline__ void rope_pair(const half* x, half* out, int i, float
 }
 
 // [pd-attention]
+// Unit (g, s) of KVH x splits: KV head g, tokens [j0, j1) of the context; warp w takes tokens
+// j0 + w, j0 + w + kWarps, ... The K and V rows of its first kAttnPre tokens are loaded
+// *before* the wait (the cache's older rows do not depend on this token; the page table and
+// context length were written by `begin`, which this CTA has already seen complete); the
+// current token's row (n - 1) is roped and appended by the last split after the wait.
+constexpr int kAttnPre = 3;
+struct KvRow { float k[D / 32], v[D / 32]; };
+__device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc, long long off) {
+  constexpr int E = D / 32;
+  if (E == 4) {
+    const uint2 kv = __ldcg(reinterpret_cast<const uint2*>(kc + off));
+    const uint2 vv = __ldcg(reinterpret_cast<const uint2*>(vc + off));
+    const float2 k01 = __half22float2(*reinterpret_cast<const half2*>(&kv.x));
+    const float2 k23 = __half22float2(*reinterpret_cast<const half2*>(&kv.y));
+    const float2 v01 = __half22float2(*reinterpret_cast<const half2*>(&vv.x));
+    const float2 v23 = __half22float2(*reinterpret_cast<const half2*>(&vv.y));
+    r.k[0] = k01.x; r.k[1] = k01.y; r.k[E - 2] = k23.x; r.k[E - 1] = k23.y;
+    r.v[0] = v01.x; r.v[1] = v01.y; r.v[E - 2] = v23.x; r.v[E - 1] = v23.y;
+  } else {
+    const unsigned kv = __ldcg(reinterpret_cast<const unsigned*>(kc + off));
+    const unsigned vv = __ldcg(reinterpret_cast<const unsigned*>(vc + off));
+    const float2 k01 = __half22float2(*reinterpret_cast<const half2*>(&kv));
+    const float2 v01 = __half22float2(*reinterpret_cast<const half2*>(&vv));
+    r.k[0] = k01.x; r.k[E - 1] = k01.y;
+    r.v[0] = v01.x; r.v[E - 1] = v01.y;
+  }
+}
+
 __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsigned char* smem) {
   constexpr int E = D / 32;                            // dims per lane
   begin_instruction(c);
-  // No weights here: ask for o_proj's share instead.
-  prefetch_unit<kO.K>(ptr<const unsigned char>(lt, L_O), unit_of<kO.N, kO.K, kO.TG, kO.KS>(blockIdx.x),
-                      NQ_PD_PREFETCH_KB * 1024u);
-  wait_inputs(c);
+  prefetch_during_attention(c);                        // no weights here: o_proj's and gate_up's
   const int n = __ldcg(c.scalars + S_CONTEXT * NQ_SCALAR_STRIDE);        // context incl. this token
   const int splits = min(kAttnSplits, max(1, ceil_div(n, kAttnMinTokens)));
   const int u = blockIdx.x;
-  if (u < KVH * splits) {
-    const int g = u / splits, s = u % splits;
-    const int j0 = (int)((long long)s * n / splits), j1 = (int)((long long)(s + 1) * n / splits);
+  const bool live = u < KVH * splits;
+  const int g = live ? u / splits : 0, s = live ? u % splits : 0;
+  const int j0 = (int)((long long)s * n / splits), j1 = live ? (int)((long long)(s + 1) * n / splits) : 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int* block_table = ptr<const int>(c.tab, T_BLOCK_TABLE);
+  half* kc = ptr<half>(lt, L_K);
+  half* vc = ptr<half>(lt, L_V);
+  auto row_of = [&](int j) {
+    const int page = __ldcg(block_table + j / NQ_PAGE_TOKENS);
+    return ((long long)(page * KVH + g) * NQ_PAGE_TOKENS + j % NQ_PAGE_TOKENS) * D + lane * E;
+  };
+  KvRow pre[kAttnPre];
+#pragma unroll
+  for (int i = 0; i < kAttnPre; ++i) {
+    const int j = j0 + warp + i * kWarps;
+    if (j < j1 && j < n - 1) load_kv(pre[i], kc, vc, row_of(j));
+  }
+  wait_inputs(c);
+  float* wpart = reinterpret_cast<float*>(smem);                    // [kWarps][GQA][D + 2]
+  half* qh = reinterpret_cast<half*>(wpart + kWarps * GQA * (D + 2)); // [GQA][D] roped q, fp16
+  __shared__ float wt[kWarps > kAttnSplits ? kWarps : kAttnSplits][GQA];   // merge weights
+  __shared__ float lsum[GQA];
+  if (live) {
     const half* qkv = ptr<const half>(c.tab, T_QKV);
     const float* inv_freq = ptr<const float>(c.tab, T_INV_FREQ);
-    const int* block_table = ptr<const int>(c.tab, T_BLOCK_TABLE);
-    half* kc = ptr<half>(lt, L_K);
-    half* vc = ptr<half>(lt, L_V);
     const float pos = (float)(n - 1);
-    float* wpart = reinterpret_cast<float*>(smem);                    // [kWarps][GQA][D + 2]
-    half* qh = reinterpret_cast<half*>(wpart + kWarps * GQA * (D + 2)); // [GQA][D] roped q, fp16
     for (int i = threadIdx.x; i < GQA * D / 2; i += kThreads) {
       const int h = i / (D / 2), e = i % (D / 2);
       rope_pair(qkv + (g * GQA + h) * D, qh + h * D, e, pos, inv_freq);
@@ -441,8 +499,9 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       vc[row + threadIdx.x] = __ldcg(v + threadIdx.x);
       vc[row + threadIdx.x + D / 2] = __ldcg(v + threadIdx.x + D / 2);
     }
-    __syncthreads();   // all threads: q roped; the appended k, v stored (read below through L2)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  }
+  __syncthreads();   // all threads: q roped; the appended k, v stored (read below through L2)
+  if (live) {
     float q[GQA][E];
 #pragma unroll
     for (int h = 0; h < GQA; ++h)
@@ -456,41 +515,36 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
     }
     const float scale = rsqrtf((float)D);
-    for (int j = j0 + warp; j < j1; j += kWarps) {
-      const int page = __ldcg(block_table + j / NQ_PAGE_TOKENS);
-      const long long row = ((long long)(page * KVH + g) * NQ_PAGE_TOKENS + j % NQ_PAGE_TOKENS) * D + lane * E;
-      float kf[E], vf[E];
-      if (E == 4) {
-        const uint2 kv = __ldcg(reinterpret_cast<const uint2*>(kc + row));
-        const uint2 vv = __ldcg(reinterpret_cast<const uint2*>(vc + row));
-        const float2 k01 = __half22float2(*reinterpret_cast<const half2*>(&kv.x)), k23 = __half22float2(*reinterpret_cast<const half2*>(&kv.y));
-        const float2 v01 = __half22float2(*reinterpret_cast<const half2*>(&vv.x)), v23 = __half22float2(*reinterpret_cast<const half2*>(&vv.y));
-        kf[0] = k01.x; kf[1] = k01.y; kf[E - 2] = k23.x; kf[E - 1] = k23.y;
-        vf[0] = v01.x; vf[1] = v01.y; vf[E - 2] = v23.x; vf[E - 1] = v23.y;
-      } else {
-        const unsigned kv = __ldcg(reinterpret_cast<const unsigned*>(kc + row));
-        const unsigned vv = __ldcg(reinterpret_cast<const unsigned*>(vc + row));
-        const float2 k01 = __half22float2(*reinterpret_cast<const half2*>(&kv));
-        const float2 v01 = __half22float2(*reinterpret_cast<const half2*>(&vv));
-        kf[0] = k01.x; kf[E - 1] = k01.y;
-        vf[0] = v01.x; vf[E - 1] = v01.y;
-      }
+    auto consume = [&](const KvRow& r) {
 #pragma unroll
       for (int h = 0; h < GQA; ++h) {
         float d = 0.f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) d = fmaf(q[h][e], kf[e], d);
+        for (int e = 0; e < E; ++e) d = fmaf(q[h][e], r.k[e], d);
         for (int o = 16; o >= 1; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
         const float sc = d * scale;
         const float mn = fmaxf(m[h], sc);
         const float alpha = __expf(m[h] - mn), p = __expf(sc - mn);
         l[h] = fmaf(l[h], alpha, p);
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[h][e] = fmaf(acc[h][e], alpha, p * vf[e]);
+        for (int e = 0; e < E; ++e) acc[h][e] = fmaf(acc[h][e], alpha, p * r.v[e]);
         m[h] = mn;
       }
+    };
+#pragma unroll
+    for (int i = 0; i < kAttnPre; ++i) {              // the rows loaded before the wait
+      const int j = j0 + warp + i * kWarps;
+      if (j < j1) {
+        if (j == n - 1) load_kv(pre[i], kc, vc, row_of(j));   // this token's, appended above
+        consume(pre[i]);
+      }
     }
-    // The CTA's warps merge: (m, l, acc) per warp to shared memory, then per (head, dim).
+    for (int j = j0 + warp + kAttnPre * kWarps; j < j1; j += kWarps) {
+      KvRow r;
+      load_kv(r, kc, vc, row_of(j));
+      consume(r);
+    }
+    // The CTA's warps merge: (m, l, acc) per warp to shared memory; one weight per (warp, head).
 #pragma unroll
     for (int h = 0; h < GQA; ++h) {
       float* wp = wpart + (warp * GQA + h) * (D + 2);
@@ -498,65 +552,71 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       for (int e = 0; e < E; ++e) wp[lane * E + e] = acc[h][e];
       if (lane == 0) { wp[D] = m[h]; wp[D + 1] = l[h]; }
     }
-    __syncthreads();   // all threads: every warp's part is in shared memory
-    float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);
-    half* attn = ptr<half>(c.tab, T_ATTN);
-    for (int i = threadIdx.x; i < GQA * (D + 2); i += kThreads) {
-      const int h = i / (D + 2), d = i % (D + 2);
-      float M = NQ_NEG_INF;
-      for (int w2 = 0; w2 < kWarps; ++w2) M = fmaxf(M, wpart[(w2 * GQA + h) * (D + 2) + D]);
-      float v = 0.f;
-      if (M != NQ_NEG_INF) {
-        if (d == D) v = M;
-        else
-          for (int w2 = 0; w2 < kWarps; ++w2) {
-            const float* wp = wpart + (w2 * GQA + h) * (D + 2);
-            v += wp[d == D + 1 ? D + 1 : d] * __expf(wp[D] - M);
-          }
-      } else if (d == D) {
-        v = M;
-      }
-      if (splits == 1) {
-        if (d < D) {                                 // l of this head: one more pass
-          float L = 0.f;
-          for (int w2 = 0; w2 < kWarps; ++w2) {
-            const float* wp = wpart + (w2 * GQA + h) * (D + 2);
-            L += wp[D + 1] * __expf(wp[D] - M);
-          }
-          attn[(g * GQA + h) * D + d] = __float2half_rn(v / L);
-        }
-      } else {
-        __stcg(aws + i, v);
-      }
+  }
+  __syncthreads();   // all threads: every warp's part is in shared memory
+  if (live && threadIdx.x < GQA) {                     // per head: M, the warps' weights, the sum l
+    const int h = threadIdx.x;
+    float M = NQ_NEG_INF;
+    for (int w2 = 0; w2 < kWarps; ++w2) M = fmaxf(M, wpart[(w2 * GQA + h) * (D + 2) + D]);
+    float L = 0.f;
+    for (int w2 = 0; w2 < kWarps; ++w2) {
+      const float* wp = wpart + (w2 * GQA + h) * (D + 2);
+      const float e = M == NQ_NEG_INF || wp[D] == NQ_NEG_INF ? 0.f : __expf(wp[D] - M);
+      wt[w2][h] = e;
+      L = fmaf(wp[D + 1], e, L);
     }
-    if (splits > 1) {
-      __shared__ int last;
-      __syncthreads();   // all threads: this split's (m, l, acc) are stored
-      if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(ptr<int>(c.tab, T_ATTN_CNT) + g, 1) == splits - 1;
-      }
-      __syncthreads();   // all threads: last known
-      if (last) {
-        __threadfence();
-        const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
-        for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
-          const int h = i / D, d = i % D;
-          float M = NQ_NEG_INF;
-          for (int s2 = 0; s2 < splits; ++s2) M = fmaxf(M, __ldcg(base + ((size_t)s2 * GQA + h) * (D + 2) + D));
-          float L = 0.f, A = 0.f;
-          for (int s2 = 0; s2 < splits; ++s2) {
-            const float* p = base + ((size_t)s2 * GQA + h) * (D + 2);
-            const float ms = __ldcg(p + D);
-            if (ms == NQ_NEG_INF) continue;            // an empty split
-            const float e = __expf(ms - M);
-            L = fmaf(__ldcg(p + D + 1), e, L);
-            A = fmaf(__ldcg(p + d), e, A);
-          }
-          attn[(g * GQA + h) * D + d] = __float2half_rn(A / L);
+    lsum[h] = L;
+    wpart[h * (D + 2) + D] = M;                        // warp 0's slot now holds the CTA's M (read below)
+  }
+  __syncthreads();   // all threads: weights known
+  float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);
+  half* attn = ptr<half>(c.tab, T_ATTN);
+  if (live) {
+    for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
+      const int h = i / D, d = i % D;
+      float v = 0.f;
+      for (int w2 = 0; w2 < kWarps; ++w2) v = fmaf(wpart[(w2 * GQA + h) * (D + 2) + d], wt[w2][h], v);
+      if (splits == 1) attn[(g * GQA + h) * D + d] = __float2half_rn(v / lsum[h]);
+      else __stcg(aws + h * (D + 2) + d, v);
+    }
+    if (splits > 1 && threadIdx.x < GQA) {
+      __stcg(aws + threadIdx.x * (D + 2) + D, wpart[threadIdx.x * (D + 2) + D]);
+      __stcg(aws + threadIdx.x * (D + 2) + D + 1, lsum[threadIdx.x]);
+    }
+  }
+  if (live && splits > 1) {
+    __shared__ int last;
+    __syncthreads();   // all threads: this split's (m, l, acc) are stored
+    if (threadIdx.x == 0) {
+      __threadfence();
+      last = atomicAdd(ptr<int>(c.tab, T_ATTN_CNT) + g, 1) == splits - 1;
+    }
+    __syncthreads();   // all threads: last known
+    if (last) {
+      __threadfence();
+      const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
+      if (threadIdx.x < GQA) {                         // per head: the splits' weights and the sum l
+        const int h = threadIdx.x;
+        float M = NQ_NEG_INF;
+        for (int s2 = 0; s2 < splits; ++s2) M = fmaxf(M, __ldcg(base + ((size_t)s2 * GQA + h) * (D + 2) + D));
+        float L = 0.f;
+        for (int s2 = 0; s2 < splits; ++s2) {
+          const float* p = base + ((size_t)s2 * GQA + h) * (D + 2);
+          const float ms = __ldcg(p + D);
+          const float e = ms == NQ_NEG_INF ? 0.f : __expf(ms - M);   // an empty split weighs 0
+          wt[s2][h] = e;
+          L = fmaf(__ldcg(p + D + 1), e, L);
         }
-        if (threadIdx.x == 0) ptr<int>(c.tab, T_ATTN_CNT)[g] = 0;
+        lsum[h] = L;
       }
+      __syncthreads();   // the last CTA's threads: weights known
+      for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
+        const int h = i / D, d = i % D;
+        float A = 0.f;
+        for (int s2 = 0; s2 < splits; ++s2) A = fmaf(__ldcg(base + ((size_t)s2 * GQA + h) * (D + 2) + d), wt[s2][h], A);
+        attn[(g * GQA + h) * D + d] = __float2half_rn(A / lsum[h]);
+      }
+      if (threadIdx.x == 0) ptr<int>(c.tab, T_ATTN_CNT)[g] = 0;
     }
   }
   signal_done(c, idx, layer, K_ATTN, c.grid);
@@ -668,6 +728,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   c.sync = ptr<unsigned>(tab, T_SYNC);
   c.grid = gridDim.x;
   c.eps = eps;
+  c.lt = c.lt_next = nullptr;
   c.prev = -1;
   c.prev_target = 0;
   c.tl = NQ_PD_TIMELINE ? ptr<long long>(tab, T_TIMELINE) + (size_t)blockIdx.x * (5 * num_layers + 3) * 4 : nullptr;
@@ -717,6 +778,8 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   }
   for (int l = first_layer; l < last_layer; ++l) {
     const long long* lt = tab + kLayerBase + kLayerStride * l;
+    c.lt = lt;
+    c.lt_next = l + 1 < last_layer ? lt + kLayerStride : nullptr;
     const int i0 = 1 + 5 * l;
     gemv<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS, ST_NORM, EP_BIAS>(
         c, i0, l, K_QKV, ptr<const unsigned char>(lt, L_QKV), ptr<const half>(tab, T_X), ptr<const half>(lt, L_LN1),
@@ -728,7 +791,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
     gemv<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS, ST_NORM, EP_PLAIN>(
         c, i0 + 3, l, K_GATE_UP, ptr<const unsigned char>(lt, L_GATE_UP), ptr<const half>(tab, T_X),
         ptr<const half>(lt, L_LN2), nullptr, ptr<half>(tab, T_GATE_UP), smem, red, part);
-    gemv<kDown.N, kDown.K, kDown.TG, kDown.KS, ST_SWIGLU, EP_RESIDUAL>(
+    gemv<kDown.N, kDown.K, kDown.TG, kDown.KS, ST_SWIGLU, EP_RESIDUAL, true>(
         c, i0 + 4, l, K_DOWN, ptr<const unsigned char>(lt, L_DOWN), ptr<const half>(tab, T_GATE_UP), nullptr,
         nullptr, ptr<half>(tab, T_X), smem, red, part);
   }
