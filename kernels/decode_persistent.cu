@@ -57,7 +57,37 @@
 #error "decode_persistent.cu needs the model dims (cuda_defines(dims))"
 #endif
 #ifndef NQ_PD_WARPS
-#error "NQ_PD_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning decode_persistent)"
+#error "NQ_PD_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_RING
+#error "NQ_PD_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_L2_AHEAD
+#error "NQ_PD_L2_AHEAD: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_EARLY_BLOCKS
+#error "NQ_PD_EARLY_BLOCKS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_FOLD
+#error "NQ_PD_FOLD: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_KMAX
+#error "NQ_PD_KMAX: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_PREFETCH_KB
+#error "NQ_PD_PREFETCH_KB: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_ATTN_SPLITS
+#error "NQ_PD_ATTN_SPLITS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_ATTN_MIN_TOKENS
+#error "NQ_PD_ATTN_MIN_TOKENS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_TIMELINE
+#error "NQ_PD_TIMELINE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_TIMEOUT_MS
+#error "NQ_PD_TIMEOUT_MS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_QKV_TG
 #error "NQ_PD_<M>_{TG,KS}: set by nanoqwen_lib.gpu.persistent.plan (the grid's split of each GEMV)"
