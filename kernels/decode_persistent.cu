@@ -142,7 +142,9 @@ __host__ __device__ constexpr int max2(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int x_bytes(Gemv m) { return ceil_div(m.K / NQ_GROUP_SIZE, m.KS) * nqs3::kXGroupBytes; }
 // Dynamic shared memory: the largest of what the instructions stage (persistent.py's smem_bytes
 // computes the same; the kernel checks %dynamic_smem_size at entry).
-constexpr int kAttnSmem = (kWarps * GQA * (D + 2) + GQA * D) * 4;
+// attention: the warps' (or, in the last split, the splits') partials, then the roped q
+constexpr int kAttnParts = kWarps > kAttnSplits ? kWarps : kAttnSplits;
+constexpr int kAttnSmem = (kAttnParts * GQA * (D + 2) + GQA * D) * 4;
 constexpr int kSmemBytes = max2(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))),
                                 max2(kAttnSmem, H * 4));
 
@@ -300,8 +302,9 @@ __device__ __forceinline__ void prefetch_warp(const unsigned char* w, int from, 
 // down runs.
 __device__ __forceinline__ void prefetch_during_attention(Ctx& c) {
   prefetch_warp<kO.N, kO.K, kO.TG, kO.KS>(ptr<const unsigned char>(c.lt, L_O), 0, kRing + kAhead);
-  prefetch_warp<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(ptr<const unsigned char>(c.lt, L_GATE_UP), 0,
-                                                              NQ_PD_EARLY_BLOCKS);
+  if (NQ_PD_EARLY_BLOCKS > 0)
+    prefetch_warp<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(ptr<const unsigned char>(c.lt, L_GATE_UP), 0,
+                                                                NQ_PD_EARLY_BLOCKS);
 }
 __device__ __forceinline__ void prefetch_next_qkv(Ctx& c) {
   if (c.lt_next) prefetch_warp<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(ptr<const unsigned char>(c.lt_next, L_QKV), 0, 32);
@@ -314,7 +317,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   constexpr int G = K / NQ_GROUP_SIZE;
   begin_instruction(c);
   const Unit u = unit_of<N, K, TG, KS>(blockIdx.x);
-  prefetch_warp<N, K, TG, KS>(w, kRing, kAhead);      // the blocks after the ring's, into L2
+  if (kAhead > 0) prefetch_warp<N, K, TG, KS>(w, kRing, kAhead);   // the blocks after the ring's, into L2
   if (kPrefetchNextQkv) prefetch_next_qkv(c);          // a later instruction's weights ([pd-prefetch])
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int b0 = (int)((long long)warp * u.nb / kWarps), b1 = (int)((long long)(warp + 1) * u.nb / kWarps);
@@ -377,7 +380,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
 #pragma unroll 1
     for (int b = b0; b < b1; b += kRing) {
       const int tb = b + kRing + kAhead + lane;          // keep kAhead blocks ahead of the ring in L2
-      if (lane < kRing && tb < b1) prefetch_l2(block_ptr(tb / u.ng, tb % u.ng), nqs3::kBlockBytes);
+      if (kAhead > 0 && lane < kRing && tb < b1) prefetch_l2(block_ptr(tb / u.ng, tb % u.ng), nqs3::kBlockBytes);
 #pragma unroll
       for (int i = 0; i < kRing; ++i) {
         if (b + i < b1) {                                // warp-uniform
@@ -508,8 +511,8 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     if (j < j1 && j < n - 1) load_kv(pre[i], kc, vc, row_of(j));
   }
   wait_inputs(c);
-  float* wpart = reinterpret_cast<float*>(smem);                    // [kWarps][GQA][D + 2]
-  half* qh = reinterpret_cast<half*>(wpart + kWarps * GQA * (D + 2)); // [GQA][D] roped q, fp16
+  float* wpart = reinterpret_cast<float*>(smem);                    // [kAttnParts][GQA][D + 2]
+  half* qh = reinterpret_cast<half*>(wpart + kAttnParts * GQA * (D + 2)); // [GQA][D] roped q, fp16
   __shared__ float wt[kWarps > kAttnSplits ? kWarps : kAttnSplits][GQA];   // merge weights
   __shared__ float lsum[GQA];
   if (live) {
@@ -624,18 +627,22 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     __syncthreads();   // all threads: last known
     if (last) {
       __threadfence();
+      // Every split's (acc, m, l) into shared memory at once (independent coalesced loads: one
+      // L2 round trip, not one per split), then the merge from there.
       const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
+      __syncthreads();   // the last CTA's threads: done with wpart above
+      for (int i = threadIdx.x; i < splits * GQA * (D + 2); i += kThreads) wpart[i] = __ldcg(base + i);
+      __syncthreads();   // the last CTA's threads: the splits are staged
       if (threadIdx.x < GQA) {                         // per head: the splits' weights and the sum l
         const int h = threadIdx.x;
         float M = NQ_NEG_INF;
-        for (int s2 = 0; s2 < splits; ++s2) M = fmaxf(M, __ldcg(base + ((size_t)s2 * GQA + h) * (D + 2) + D));
+        for (int s2 = 0; s2 < splits; ++s2) M = fmaxf(M, wpart[(s2 * GQA + h) * (D + 2) + D]);
         float L = 0.f;
         for (int s2 = 0; s2 < splits; ++s2) {
-          const float* p = base + ((size_t)s2 * GQA + h) * (D + 2);
-          const float ms = __ldcg(p + D);
-          const float e = ms == NQ_NEG_INF ? 0.f : __expf(ms - M);   // an empty split weighs 0
+          const float* p = wpart + (s2 * GQA + h) * (D + 2);
+          const float e = p[D] == NQ_NEG_INF ? 0.f : __expf(p[D] - M);   // an empty split weighs 0
           wt[s2][h] = e;
-          L = fmaf(__ldcg(p + D + 1), e, L);
+          L = fmaf(p[D + 1], e, L);
         }
         lsum[h] = L;
       }
@@ -643,7 +650,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
         const int h = i / D, d = i % D;
         float A = 0.f;
-        for (int s2 = 0; s2 < splits; ++s2) A = fmaf(__ldcg(base + ((size_t)s2 * GQA + h) * (D + 2) + d), wt[s2][h], A);
+        for (int s2 = 0; s2 < splits; ++s2) A = fmaf(wpart[(s2 * GQA + h) * (D + 2) + d], wt[s2][h], A);
         attn[(g * GQA + h) * D + d] = __float2half_rn(A / lsum[h]);
       }
       if (threadIdx.x == 0) ptr<int>(c.tab, T_ATTN_CNT)[g] = 0;

@@ -44,7 +44,8 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     group, xgroup = load().format.group_size, 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]
     x = max(-(-(k // group) // plan[f"NQ_PD_{m}_KS"]) * xgroup
             for m, k in (("QKV", dims.hidden), ("O", dims.q_dim), ("GU", dims.hidden), ("DOWN", dims.intermediate)))
-    attn = (t["NQ_PD_WARPS"] * gqa * (dims.head_dim + 2) + gqa * dims.head_dim) * 4
+    parts = max(t["NQ_PD_WARPS"], t["NQ_PD_ATTN_SPLITS"])      # the warps' or the splits' partials
+    attn = (parts * gqa * (dims.head_dim + 2) + gqa * dims.head_dim) * 4
     return max(x, attn, dims.hidden * 4)
 
 
@@ -63,7 +64,7 @@ def add_slots(plan, dims: ModelDims) -> None:
 class PersistentStep:
     """The kernel, its buffers and its pointer table for one engine (GpuBackend)."""
 
-    def __init__(self, eng, timeline: bool = False):
+    def __init__(self, eng, timeline: bool = False, defines: dict | None = None):
         import cupy as cp
         from nanoqwen_lib.gpu.cuda_build import load_module
         self.cp, self.eng = cp, eng
@@ -71,11 +72,12 @@ class PersistentStep:
         dev = cp.cuda.Device()
         self.grid = dev.attributes["MultiProcessorCount"]
         self.plan = persistent_plan(dims, self.grid)
-        self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline))
+        self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **(defines or {}))
         self.timeline_on = timeline
         self.kernel = load_module(KERNEL, dims, self.defines).get_function("nq_decode_persistent")
-        self.threads = 32 * TUNING["NQ_PD_WARPS"]
-        self.smem = smem_bytes(dims, self.plan)
+        t = dict(TUNING, **self.defines)
+        self.threads = 32 * t["NQ_PD_WARPS"]
+        self.smem = smem_bytes(dims, self.plan, self.defines)
         self.kernel.max_dynamic_shared_size_bytes = self.smem
         self._check_residency(dev)
         a, L = eng.arena, dims.num_layers
@@ -87,7 +89,7 @@ class PersistentStep:
             "SYNC": cp.zeros(instructions(L), cp.uint32),
             "WS": cp.zeros(ws_rows, cp.float32),
             "TILE_CNT": cp.zeros(max(self.plan[f"NQ_PD_{m}_TG"] for m in ("QKV", "O", "GU", "DOWN")), cp.int32),
-            "ATTN_WS": cp.zeros(dims.num_kv_heads * TUNING["NQ_PD_ATTN_SPLITS"] * gqa * (dims.head_dim + 2),
+            "ATTN_WS": cp.zeros(dims.num_kv_heads * t["NQ_PD_ATTN_SPLITS"] * gqa * (dims.head_dim + 2),
                                 cp.float32),
             "ATTN_CNT": cp.zeros(dims.num_kv_heads, cp.int32),
             "ARG_VAL": cp.zeros(self.grid, cp.float32),

@@ -1,0 +1,97 @@
+"""Time variants of the persistent decode kernel on one engine (GPU): each variant's build
+(extra -D knobs of nanoqwen.yaml tuning decode_persistent) replaces the engine's step, the
+prompt is prefilled again, and STEPS steps are timed with CUDA events between launches
+(median ms), its tokens compared with the first variant's; then one token's timeline of the
+fastest variant, against each instruction's byte floor.
+
+    python tools/bench_persistent.py [--model 7b] [--steps 64] [--variants 'A=1,B=2;C=3'] [--json out.json]
+
+The default variants are the ones PERFLOG.md's persistent rows were measured with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEFAULT = ";".join([
+    "",                                        # nanoqwen.yaml's knobs
+    "NQ_PD_L2_AHEAD=0,NQ_PD_EARLY_BLOCKS=0",   # no L2 prefetch beyond the ring (registers only)
+    "NQ_PD_L2_AHEAD=0",
+    "NQ_PD_L2_AHEAD=8",
+    "NQ_PD_EARLY_BLOCKS=0",
+    "NQ_PD_WARPS=8,NQ_PD_RING=8,NQ_PD_L2_AHEAD=0",
+    "NQ_PD_WARPS=8,NQ_PD_RING=8",
+    "NQ_PD_ATTN_SPLITS=8",
+    "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16",
+])
+
+
+def parse(spec: str) -> list[dict]:
+    out = []
+    for item in spec.split(";"):
+        pairs = [p.strip() for p in item.split(",") if p.strip()]
+        out.append({k: int(v) for k, v in (p.split("=", 1) for p in pairs)})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="7b")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--variants", default=DEFAULT)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    import cupy as cp
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.gpu.persistent import PersistentStep
+    from nanoqwen_lib.measure.timeline import format_summary, timeline_token
+    from nanoqwen_lib.measure.timing import events_between, intervals_ms
+    from nanoqwen_lib.synthetic.packed import packed_synthetic_direct
+    f = NanoqwenFile.open(packed_synthetic_direct(a.model, seed=0), verify_payload=False)
+    eng = GpuBackend(f, max_tokens=a.prompt_tokens + a.steps + 64, graphs=False, decode="persistent")
+    prompt = np.random.default_rng(0).integers(0, 151643, a.prompt_tokens).tolist()
+    rows, ref_tokens, best = [], None, None
+    for v in parse(a.variants):
+        try:
+            eng.pd = PersistentStep(eng, defines=v)
+        except Exception as e:                                  # a variant that does not build or fit
+            rows.append({"variant": v, "error": str(e)[:200]})
+            print(f"{v}: {str(e)[:200]}", flush=True)
+            continue
+        eng.prefill_enqueue(prompt)
+        for _ in range(3):
+            eng.launch_step(replay=False)                       # warm-up
+        ev = events_between(lambda: eng.launch_step(replay=False), a.steps, eng.stream)
+        eng.stream.synchronize()
+        eng.token_at(eng.position - 1)
+        ms = float(np.median(intervals_ms(ev)))
+        start = a.prompt_tokens - 1
+        toks = eng.arena["s.generated"][start:start + a.steps].get().tolist()
+        ref_tokens = ref_tokens or toks
+        same = sum(x == y for x, y in zip(toks, ref_tokens))
+        rows.append({"variant": v, "ms": ms, "same_tokens": same, "regs": eng.pd.kernel.num_regs})
+        print(f"{str(v):60s} {ms:.4f} ms  tokens same as first: {same}/{len(toks)}  regs {eng.pd.kernel.num_regs}",
+              flush=True)
+        if best is None or ms < best[1]:
+            best = (v, ms)
+    print(f"fastest: {best[0]} {best[1]:.4f} ms", flush=True)
+    eng.pd = PersistentStep(eng, defines=best[0])
+    tl = timeline_token(eng, prompt, steps=4)
+    print(format_summary(tl["summary"]))
+    cp.cuda.Device().synchronize()
+    if a.json:
+        a.json.write_text(json.dumps({"rows": rows, "fastest": best, "timeline": tl["summary"]}, indent=1,
+                                     default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
