@@ -56,6 +56,9 @@
 #ifndef NQ_HEAD_DIM
 #error "decode_persistent.cu needs the model dims (cuda_defines(dims))"
 #endif
+#ifndef NQ_PD_PROBE
+#error "NQ_PD_PROBE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
 #ifndef NQ_PD_WARPS
 #error "NQ_PD_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -119,7 +122,7 @@ static_assert(H % 8 == 0, "rows of 16-byte chunks");
 enum Tab {
   T_EMBED, T_NORM, T_LM_HEAD, T_LOGITS, T_SCALARS, T_BLOCK_TABLE, T_FREE_PAGES, T_GENERATED,
   T_X, T_QKV, T_ATTN, T_GATE_UP, T_SYNC, T_WS, T_TILE_CNT, T_ATTN_WS, T_ATTN_CNT,
-  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_GLOBALS
+  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_PROBE, T_GLOBALS
 };
 enum LayerTab { L_QKV, L_O, L_GATE_UP, L_DOWN, L_LN1, L_LN2, L_QKV_BIAS, L_K, L_V, L_FIELDS };
 constexpr int kLayerBase = 32, kLayerStride = 16;
@@ -198,12 +201,15 @@ __device__ __forceinline__ void wait_inputs(Ctx& c) {
   __syncthreads();   // all threads: the inputs of this instruction are complete
   if (NQ_PD_TIMELINE && threadIdx.x == 0) c.t_ready = now_ns();
 }
-// All threads, after the CTA's last write of instruction `idx`: publish it.
-__device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind, unsigned target) {
+// All threads, after the CTA's last write of instruction `idx`: publish it (arrive = false:
+// a CTA that took no part, as every CTA but 0 in `begin`, only records and moves on). The
+// next instruction waits for sync[idx] >= target.
+__device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind, unsigned target,
+                                            bool arrive = true) {
   __syncthreads();   // all threads: this CTA's writes of the instruction are issued
   if (threadIdx.x == 0) {
     __threadfence();                                   // ... and visible before the counter moves
-    atomicAdd(c.sync + idx, 1u);
+    if (arrive) atomicAdd(c.sync + idx, 1u);
 #if NQ_PD_TIMELINE
     long long* row = c.tl + 4 * c.tl_n;
     row[0] = layer * 16 + kind; row[1] = (long long)c.t_begin; row[2] = (long long)c.t_ready;
@@ -215,6 +221,13 @@ __device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind
   c.prev_target = target;
 }
 // [/pd-wait]
+// NQ_PD_PROBE > 0 (lab build, tools/bench_persistent.py --probe): thread 0 of every CTA
+// stamps %globaltimer at numbered points of layer NQ_PD_PROBE's qkv and attention into
+// probe[blockIdx.x][point].
+__device__ __forceinline__ void probe(const Ctx& c, int layer, int point) {
+  if (NQ_PD_PROBE > 0 && layer == NQ_PD_PROBE && threadIdx.x == 0)
+    ptr<long long>(c.tab, T_PROBE)[blockIdx.x * 16 + point] = (long long)now_ns();
+}
 __device__ __forceinline__ void begin_instruction(Ctx& c) {
   if (NQ_PD_TIMELINE && threadIdx.x == 0) { c.t_begin = now_ns(); c.t_ready = c.t_begin; }
 }
@@ -333,7 +346,9 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       nqs3::load_slot(r[i], block_ptr(lt, lg), lane);
       if (++lg == u.ng) { lg = 0; ++lt; }
     }
+  if (kind == K_QKV) probe(c, layer, 0);
   wait_inputs(c);
+  if (kind == K_QKV) probe(c, layer, 1);
 
   // Stage the unit's groups of the input into shared memory (padded), then the folds.
   if (u.live) {
@@ -364,6 +379,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   __syncthreads();   // all threads: the staged input is complete
   nqs3::stage_fold<kFold>(xs, u.ng, threadIdx.x, kThreads);
   __syncthreads();   // all threads: folds and magic words complete
+  if (kind == K_QKV) probe(c, layer, 2);
 
   // [pd-gemv-loop]
   if (b0 < b1) {
@@ -397,6 +413,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   }
   // [/pd-gemv-loop]
   __syncthreads();   // all threads: every warp's row sums are in part[]
+  if (kind == K_QKV) probe(c, layer, 3);
 
   // Rows of the unit: add the warps' sums in warp order.
   __shared__ int is_last;
@@ -444,6 +461,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     }
   }
   signal_done(c, idx, layer, kind, c.grid);
+  if (kind == K_QKV) probe(c, layer, 4);
 }
 
 // ---- attention ----------------------------------------------------------------------------
@@ -510,7 +528,9 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     const int j = j0 + warp + i * kWarps;
     if (j < j1 && j < n - 1) load_kv(pre[i], kc, vc, row_of(j));
   }
+  probe(c, layer, 5);
   wait_inputs(c);
+  probe(c, layer, 6);
   float* wpart = reinterpret_cast<float*>(smem);                    // [kAttnParts][GQA][D + 2]
   half* qh = reinterpret_cast<half*>(wpart + kAttnParts * GQA * (D + 2)); // [GQA][D] roped q, fp16
   __shared__ float wt[kWarps > kAttnSplits ? kWarps : kAttnSplits][GQA];   // merge weights
@@ -534,6 +554,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     }
   }
   __syncthreads();   // all threads: q roped; the appended k, v stored (read below through L2)
+  probe(c, layer, 7);
   if (live) {
     float q[GQA][E];
 #pragma unroll
@@ -587,6 +608,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     }
   }
   __syncthreads();   // all threads: every warp's part is in shared memory
+  probe(c, layer, 8);
   if (live && threadIdx.x < GQA) {                     // per head: M, the warps' weights, the sum l
     const int h = threadIdx.x;
     float M = NQ_NEG_INF;
@@ -625,6 +647,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       last = atomicAdd(ptr<int>(c.tab, T_ATTN_CNT) + g, 1) == splits - 1;
     }
     __syncthreads();   // all threads: last known
+    probe(c, layer, 9);
     if (last) {
       __threadfence();
       // Every split's (acc, m, l) into shared memory at once (independent coalesced loads: one
@@ -654,9 +677,11 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
         attn[(g * GQA + h) * D + d] = __float2half_rn(A / lsum[h]);
       }
       if (threadIdx.x == 0) ptr<int>(c.tab, T_ATTN_CNT)[g] = 0;
+      probe(c, layer, 10);
     }
   }
   signal_done(c, idx, layer, K_ATTN, c.grid);
+  probe(c, layer, 11);
 }
 // [/pd-attention]
 
@@ -811,7 +836,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
       for (int ch = threadIdx.x; ch < H / 8; ch += kThreads)
         reinterpret_cast<uint4*>(ptr<half>(tab, T_X))[ch] = ok ? __ldg(src + ch) : nan4;
     }
-    signal_done(c, 0, 0, K_BEGIN, 1);
+    signal_done(c, 0, 0, K_BEGIN, 1, blockIdx.x == 0);   // only CTA 0 did it: the target is 1
   }
   for (int l = first_layer; l < last_layer; ++l) {
     const long long* lt = tab + kLayerBase + kLayerStride * l;

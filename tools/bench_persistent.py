@@ -40,12 +40,39 @@ def parse(spec: str) -> list[dict]:
     return out
 
 
+POINTS = {0: "qkv begin", 1: "qkv ready", 2: "qkv staged", 3: "qkv summed", 4: "qkv signalled",
+          5: "attn begin", 6: "attn ready", 7: "attn q roped", 8: "attn parts", 9: "attn split stored",
+          10: "attn merged (last)", 11: "attn signalled"}
+
+
+def probe(eng, prompt, defines) -> None:
+    """The stamps of one step of the probe build: per point, min / median / max over the CTAs
+    that reached it, in us from the earliest qkv begin."""
+    from nanoqwen_lib.gpu.persistent import PersistentStep
+    eng.pd = PersistentStep(eng, defines=defines)
+    eng.prefill_enqueue(prompt)
+    for _ in range(4):
+        eng.pd.buf["PROBE"].fill(0)
+        eng.launch_step(replay=False)
+    eng.token_at(eng.position - 1)
+    p = eng.pd.buf["PROBE"].get().astype(np.float64)
+    t0 = p[:, 0][p[:, 0] > 0].min()
+    print(f"probe: layer {defines['NQ_PD_PROBE']}, us from the first qkv begin (min / median / max over CTAs)")
+    for k, name in POINTS.items():
+        v = p[:, k][p[:, k] > 0]
+        if v.size:
+            v = (v - t0) / 1e3
+            print(f"  {k:2d} {name:22s} {v.min():8.2f} {np.median(v):8.2f} {v.max():8.2f}  ({v.size} CTAs)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="7b")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--variants", default=DEFAULT)
+    ap.add_argument("--probe", type=int, default=0,
+                    help="also: layer whose qkv and attention stamp their steps (NQ_PD_PROBE build), printed per point")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     import cupy as cp
@@ -83,6 +110,8 @@ def main() -> int:
         if best is None or ms < best[1]:
             best = (v, ms)
     print(f"fastest: {best[0]} {best[1]:.4f} ms", flush=True)
+    if a.probe:
+        probe(eng, prompt, dict(best[0], NQ_PD_PROBE=a.probe))
     eng.pd = PersistentStep(eng, defines=best[0])
     tl = timeline_token(eng, prompt, steps=4)
     print(format_summary(tl["summary"]))

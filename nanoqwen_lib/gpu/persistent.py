@@ -22,7 +22,7 @@ TUNING = load().tuning[KERNEL].defines
 # The pointer table's order (decode_persistent.cu enum Tab and enum LayerTab, same names).
 TAB_GLOBALS = ("EMBED", "NORM", "LM_HEAD", "LOGITS", "SCALARS", "BLOCK_TABLE", "FREE_PAGES", "GENERATED",
                "X", "QKV", "ATTN", "GATE_UP", "SYNC", "WS", "TILE_CNT", "ATTN_WS", "ATTN_CNT",
-               "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES")
+               "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES", "PROBE")
 TAB_LAYER = ("QKV", "O", "GATE_UP", "DOWN", "LN1", "LN2", "QKV_BIAS", "K", "V")
 LAYER_BASE, LAYER_STRIDE = 32, 16
 MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, in order
@@ -96,6 +96,7 @@ class PersistentStep:
             "ARG_IDX": cp.zeros(self.grid, cp.int32),
             "ARG_CNT": cp.zeros(1, cp.uint32),
             "TIMELINE": cp.full((self.grid, instructions(L), 4) if timeline else (1,), -1, cp.int64),
+            "PROBE": cp.zeros((self.grid, 16) if t.get("NQ_PD_PROBE") else (1,), cp.int64),   # lab stamps
         }
         g = {"EMBED": a["w.embed"], "NORM": a["w.norm"], "LM_HEAD": eng.lm_head, "LOGITS": a["a.logits"],
              "SCALARS": a["s.scalars"], "BLOCK_TABLE": a["s.block_table"], "FREE_PAGES": a["s.free_pages"],
