@@ -102,7 +102,8 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kRing = NQ_PD_RING;
 constexpr bool kFold = NQ_PD_FOLD != 0;
 constexpr int kKmax = NQ_PD_KMAX;
-constexpr int kAhead = NQ_PD_L2_AHEAD;          // blocks per warp kept in L2 ahead of its ring
+constexpr int kAhead = NQ_PD_L2_AHEAD;
+// A unit's rows: one thread each in the epilogue (config.persistent_plan keeps 16 x tiles <= threads).          // blocks per warp kept in L2 ahead of its ring
 static_assert(kAhead + kRing <= 32, "one lane per prefetched block");
 constexpr int H = NQ_HIDDEN, I = NQ_INTERMEDIATE, V = NQ_VOCAB;
 constexpr int D = NQ_HEAD_DIM, NH = NQ_NUM_HEADS, KVH = NQ_NUM_KV_HEADS, GQA = NH / KVH;
@@ -333,7 +334,19 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   if (kAhead > 0) prefetch_warp<N, K, TG, KS>(w, kRing, kAhead);   // the blocks after the ring's, into L2
   if (kPrefetchNextQkv) prefetch_next_qkv(c);          // a later instruction's weights ([pd-prefetch])
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int b0 = (int)((long long)warp * u.nb / kWarps), b1 = (int)((long long)(warp + 1) * u.nb / kWarps);
+  const int b0 = warp * u.nb / kWarps, b1 = (warp + 1) * u.nb / kWarps;   // nb * kWarps < 2^31
+  __shared__ int wrange[kWarps][2];                      // each warp's first and last tile (local)
+  if (lane == 0) { wrange[warp][0] = b0 < b1 ? b0 / max(u.ng, 1) : 1 << 30; wrange[warp][1] = b0 < b1 ? (b1 - 1) / max(u.ng, 1) : -1; }
+  // The epilogue's own inputs, early: the bias (never changes) before the wait, the residual
+  // (final before this instruction starts) right after it. Thread i owns unit row i.
+  auto row_live = [&](int& row) {
+    row = u.t0 * 16 + (int)threadIdx.x;
+    return u.live && (int)threadIdx.x < u.nt * 16 && row < N;
+  };
+  int my_row;
+  if (u.live && u.nt * 16 > kThreads && threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 5);
+  __shared__ float sepi[kThreads];   // bias or residual of row i (shared memory: no register through the loop)
+  if (kEpi == EP_BIAS && row_live(my_row)) sepi[threadIdx.x] = __half2float(__ldg(bias + my_row));
   // The warp's first kRing blocks fly before the wait.
   nqs3::Slot r[kRing];
   int lt = u.ng ? b0 / u.ng : 0, lg = u.ng ? b0 % u.ng : 0;        // next block to load
@@ -349,6 +362,9 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   if (kind == K_QKV) probe(c, layer, 0);
   wait_inputs(c);
   if (kind == K_QKV) probe(c, layer, 1);
+  float resid = 0.f;                                   // in flight with the staging's loads
+  const bool resid_live = kEpi == EP_RESIDUAL && row_live(my_row);
+  if (resid_live) resid = __half2float(__ldcg(out + my_row));
 
   // Stage the unit's groups of the input into shared memory (padded), then the folds.
   if (u.live) {
@@ -376,6 +392,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       }
     }
   }
+  if (resid_live) sepi[threadIdx.x] = resid;
   __syncthreads();   // all threads: the staged input is complete
   nqs3::stage_fold<kFold>(xs, u.ng, threadIdx.x, kThreads);
   __syncthreads();   // all threads: folds and magic words complete
@@ -415,24 +432,21 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   __syncthreads();   // all threads: every warp's row sums are in part[]
   if (kind == K_QKV) probe(c, layer, 3);
 
-  // Rows of the unit: add the warps' sums in warp order.
+  // Rows of the unit: add the warps' sums in warp order (thread i: row i of the unit).
   __shared__ int is_last;
-  for (int i = threadIdx.x; i < u.nt * 16 && u.live; i += kThreads) {
-    const int tl = i >> 4, row = (u.t0 + tl) * 16 + (i & 15);
+  const bool my_live = row_live(my_row);
+  if (my_live) {
+    const int tl = threadIdx.x >> 4;
     float v = 0.f;
-    for (int w2 = 0; w2 < kWarps; ++w2) {
-      const int c0 = (int)((long long)w2 * u.nb / kWarps), c1 = (int)((long long)(w2 + 1) * u.nb / kWarps);
-      if (c0 >= c1) continue;
-      const int f = c0 / u.ng, l = (c1 - 1) / u.ng;
-      if (tl >= f && tl <= l) v += part[w2][tl - f][i & 15];
-    }
-    if (row >= N) continue;
+#pragma unroll
+    for (int w2 = 0; w2 < kWarps; ++w2)
+      if (tl >= wrange[w2][0] && tl <= wrange[w2][1]) v += part[w2][tl - wrange[w2][0]][threadIdx.x & 15];
     if (KS == 1) {
-      if (kEpi == EP_BIAS) v += __half2float(__ldg(bias + row));
-      if (kEpi == EP_RESIDUAL) v = __half2float(__ldcg(out + row)) + v;
-      out[row] = __float2half_rn(v);
+      if (kEpi == EP_BIAS) v += sepi[threadIdx.x];
+      if (kEpi == EP_RESIDUAL) v = sepi[threadIdx.x] + v;
+      out[my_row] = __float2half_rn(v);
     } else {
-      __stcg(ptr<float>(c.tab, T_WS) + (size_t)u.ks * N + row, v);
+      __stcg(ptr<float>(c.tab, T_WS) + (size_t)u.ks * N + my_row, v);
     }
   }
   if (KS > 1) {
@@ -448,14 +462,13 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     if (is_last) {
       __threadfence();
       const float* ws = ptr<float>(c.tab, T_WS);
-      for (int i = threadIdx.x; i < u.nt * 16; i += kThreads) {
-        const int row = u.t0 * 16 + i;
-        if (row >= N) continue;
+      if (my_live) {
         float v = 0.f;
-        for (int s = 0; s < KS; ++s) v += __ldcg(ws + (size_t)s * N + row);   // slice order
-        if (kEpi == EP_BIAS) v += __half2float(__ldg(bias + row));
-        if (kEpi == EP_RESIDUAL) v = __half2float(__ldcg(out + row)) + v;
-        out[row] = __float2half_rn(v);
+#pragma unroll
+        for (int s = 0; s < KS; ++s) v += __ldcg(ws + (size_t)s * N + my_row);   // slice order
+        if (kEpi == EP_BIAS) v += sepi[threadIdx.x];
+        if (kEpi == EP_RESIDUAL) v = sepi[threadIdx.x] + v;
+        out[my_row] = __float2half_rn(v);
       }
       if (threadIdx.x == 0) ptr<int>(c.tab, T_TILE_CNT)[u.tg] = 0;   // ready for the next use
     }
@@ -507,7 +520,6 @@ __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc
 __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsigned char* smem) {
   constexpr int E = D / 32;                            // dims per lane
   begin_instruction(c);
-  prefetch_during_attention(c);                        // no weights here: o_proj's and gate_up's
   const int n = __ldcg(c.scalars + S_CONTEXT * NQ_SCALAR_STRIDE);        // context incl. this token
   const int splits = min(kAttnSplits, max(1, ceil_div(n, kAttnMinTokens)));
   const int u = blockIdx.x;
@@ -528,6 +540,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     const int j = j0 + warp + i * kWarps;
     if (j < j1 && j < n - 1) load_kv(pre[i], kc, vc, row_of(j));
   }
+  prefetch_during_attention(c);   // no weights here: o_proj's and gate_up's, queued behind the K/V reads
   probe(c, layer, 5);
   wait_inputs(c);
   probe(c, layer, 6);

@@ -488,7 +488,8 @@ def persistent_plan(dims: ModelDims, sms: int | None = None) -> dict[str, int]:
     NQ_PD_<M>_KS K slices, one unit per CTA. A unit's time is modelled as its largest share of
     1056-byte layout-3 blocks at one SM's share of the read ceiling, plus one global round trip
     when KS > 1 (the last unit of a tile set adds the slices); the plan takes the cheapest
-    split whose warps each touch at most NQ_PD_KMAX tiles. Pure arithmetic: the CPU build and
+    split whose warps each touch at most NQ_PD_KMAX tiles and whose units have at most one row
+    per thread (the epilogue). Pure arithmetic: the CPU build and
     the engine (with the device's SM count) call the same function."""
     cfg = load().engine.persistent
     sms = sms or cfg["sms"]
@@ -506,6 +507,8 @@ def persistent_plan(dims: ModelDims, sms: int | None = None) -> dict[str, int]:
             if tg < 1:
                 break
             ng, nt = -(-g // ks), -(-t // tg)
+            if 16 * nt > 32 * warps:                    # the epilogue: one thread per row of the unit
+                continue
             nb = nt * ng
             per_warp = -(-nb // warps)
             if (ng - 1 + per_warp - 1) // ng + 1 > kmax:

@@ -46,6 +46,7 @@ def test_plan_covers_every_block_within_the_kernel_limits(model, sms):
         tg, ks = plan[f"NQ_PD_{m}_TG"], plan[f"NQ_PD_{m}_KS"]
         tiles, groups = -(-n // 16), k // 128
         assert 1 <= tg * ks <= sms and tg <= tiles and ks <= groups
+        assert 16 * -(-tiles // tg) <= 32 * t["NQ_PD_WARPS"]          # a row a thread in the epilogue
         covered = 0
         for u in range(tg * ks):            # the kernel's unit_of
             g_, s_ = divmod(u, ks)

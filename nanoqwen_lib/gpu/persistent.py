@@ -28,7 +28,7 @@ LAYER_BASE, LAYER_STRIDE = 32, 16
 MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, in order
 F_BEGIN, F_HEAD = 1, 2
 ERRORS = {3: "a dependency wait timed out (NQ_PD_TIMEOUT_MS)", 4: "launched with too little shared memory",
-          5: "a warp's blocks span more than NQ_PD_KMAX tiles (plan)"}
+          5: "the plan broke a kernel limit (NQ_PD_KMAX tiles a warp, a row a thread)"}
 
 
 def instructions(num_layers: int) -> int:
