@@ -49,7 +49,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 
@@ -64,9 +64,6 @@
 #endif
 #ifndef NQ_PD_RING
 #error "NQ_PD_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
-#endif
-#ifndef NQ_PD_L2_AHEAD
-#error "NQ_PD_L2_AHEAD: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_EARLY_BLOCKS
 #error "NQ_PD_EARLY_BLOCKS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -102,9 +99,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kRing = NQ_PD_RING;
 constexpr bool kFold = NQ_PD_FOLD != 0;
 constexpr int kKmax = NQ_PD_KMAX;
-constexpr int kAhead = NQ_PD_L2_AHEAD;
-// A unit's rows: one thread each in the epilogue (config.persistent_plan keeps 16 x tiles <= threads).          // blocks per warp kept in L2 ahead of its ring
-static_assert(kAhead + kRing <= 32, "one lane per prefetched block");
+// A unit's rows: one thread each in the epilogue (config.persistent_plan keeps 16 x tiles <= threads).
 constexpr int H = NQ_HIDDEN, I = NQ_INTERMEDIATE, V = NQ_VOCAB;
 constexpr int D = NQ_HEAD_DIM, NH = NQ_NUM_HEADS, KVH = NQ_NUM_KV_HEADS, GQA = NH / KVH;
 constexpr int Q_DIM = NH * D, KV_DIM = KVH * D, QKV_DIM = Q_DIM + 2 * KV_DIM;
@@ -315,7 +310,7 @@ __device__ __forceinline__ void prefetch_warp(const unsigned char* w, int from, 
 // gate_up's while attention runs (no weights of its own); the next layer's qkv share while
 // down runs.
 __device__ __forceinline__ void prefetch_during_attention(Ctx& c) {
-  prefetch_warp<kO.N, kO.K, kO.TG, kO.KS>(ptr<const unsigned char>(c.lt, L_O), 0, kRing + kAhead);
+  prefetch_warp<kO.N, kO.K, kO.TG, kO.KS>(ptr<const unsigned char>(c.lt, L_O), 0, 32);
   if (NQ_PD_EARLY_BLOCKS > 0)
     prefetch_warp<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(ptr<const unsigned char>(c.lt, L_GATE_UP), 0,
                                                                 NQ_PD_EARLY_BLOCKS);
@@ -331,7 +326,6 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   constexpr int G = K / NQ_GROUP_SIZE;
   begin_instruction(c);
   const Unit u = unit_of<N, K, TG, KS>(blockIdx.x);
-  if (kAhead > 0) prefetch_warp<N, K, TG, KS>(w, kRing, kAhead);   // the blocks after the ring's, into L2
   if (kPrefetchNextQkv) prefetch_next_qkv(c);          // a later instruction's weights ([pd-prefetch])
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int b0 = warp * u.nb / kWarps, b1 = (warp + 1) * u.nb / kWarps;   // nb * kWarps < 2^31
@@ -347,17 +341,21 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   if (u.live && u.nt * 16 > kThreads && threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 5);
   __shared__ float sepi[kThreads];   // bias or residual of row i (shared memory: no register through the loop)
   if (kEpi == EP_BIAS && row_live(my_row)) sepi[threadIdx.x] = __half2float(__ldg(bias + my_row));
-  // The warp's first kRing blocks fly before the wait.
+  // The warp's first kRing blocks fly before the wait. The load cursor: lp (bytes) and lg, its
+  // group within the tile (KS > 1: a tile's slice ends before the matrix's row of groups does).
   nqs3::Slot r[kRing];
-  int lt = u.ng ? b0 / u.ng : 0, lg = u.ng ? b0 % u.ng : 0;        // next block to load
-  auto block_ptr = [&](int tl, int gl) {
-    return w + ((size_t)(u.t0 + tl) * G + u.g0 + gl) * nqs3::kBlockBytes;
+  const int ng = max(u.ng, 1);
+  const unsigned char* lp = w + ((size_t)(u.t0 + b0 / ng) * G + u.g0 + b0 % ng) * nqs3::kBlockBytes;
+  int lg = b0 % ng;
+  auto next_load = [&]() {
+    lp += nqs3::kBlockBytes;
+    if (++lg == ng) { lg = 0; lp += (size_t)(G - ng) * nqs3::kBlockBytes; }
   };
 #pragma unroll
   for (int i = 0; i < kRing; ++i)
     if (b0 + i < b1) {
-      nqs3::load_slot(r[i], block_ptr(lt, lg), lane);
-      if (++lg == u.ng) { lg = 0; ++lt; }
+      nqs3::load_slot(r[i], lp, lane);
+      next_load();
     }
   if (kind == K_QKV) probe(c, layer, 0);
   wait_inputs(c);
@@ -400,33 +398,42 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
 
   // [pd-gemv-loop]
   if (b0 < b1) {
-    int ct = b0 / u.ng, cg = b0 % u.ng;                 // block being multiplied
-    const int ft = ct;                                  // the warp's first tile (local)
+    int ct = b0 / ng, cg = b0 % ng;                     // block being multiplied: tile, group (local)
+    const int ft = ct;                                  // the warp's first tile
     float acc0 = 0.f, acc1 = 0.f;
-    const unsigned char* xl = xs + t * nqs3::kXLaneBytes;
-    auto flush = [&]() {
-      const int s = ct - ft;
-      if (t == 0 && s < kKmax) { part[warp][s][g] = acc0; part[warp][s][g + 8] = acc1; }
-      if (s >= kKmax && lane == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 5);   // plan broken
-      acc0 = 0.f; acc1 = 0.f;
-    };
-#pragma unroll 1
-    for (int b = b0; b < b1; b += kRing) {
-      const int tb = b + kRing + kAhead + lane;          // keep kAhead blocks ahead of the ring in L2
-      if (kAhead > 0 && lane < kRing && tb < b1) prefetch_l2(block_ptr(tb / u.ng, tb % u.ng), nqs3::kBlockBytes);
-#pragma unroll
-      for (int i = 0; i < kRing; ++i) {
-        if (b + i < b1) {                                // warp-uniform
-          nqs3::group<kFold>(acc0, acc1, r[i], xl + cg * nqs3::kXGroupBytes);
-          if (b + i + kRing < b1) {
-            nqs3::load_slot(r[i], block_ptr(lt, lg), lane);
-            if (++lg == u.ng) { lg = 0; ++lt; }
-          }
-          if (++cg == u.ng) { flush(); cg = 0; ++ct; }
-        }
+    const unsigned char* xl = xs + t * nqs3::kXLaneBytes + cg * nqs3::kXGroupBytes;
+    const unsigned char* x0 = xs + t * nqs3::kXLaneBytes;
+    // One block: multiply slot i, refill it (when `load`), and at a tile's end store the rows'
+    // sums (every lane of a row's quad holds the same sum and stores it: no divergence).
+    auto step = [&](int i, bool load) {
+      nqs3::group<kFold>(acc0, acc1, r[i], xl);
+      if (load) { nqs3::load_slot(r[i], lp, lane); next_load(); }
+      xl += nqs3::kXGroupBytes;
+      if (++cg == ng) {                                  // warp-uniform
+        const int s = min(ct - ft, kKmax - 1);           // (the plan keeps ct - ft < kKmax)
+        part[warp][s][g] = acc0;
+        part[warp][s][g + 8] = acc1;
+        acc0 = 0.f; acc1 = 0.f; cg = 0; ++ct; xl = x0;
       }
+    };
+    int b = b0;
+#pragma unroll 1
+    for (; b + 2 * kRing <= b1; b += kRing) {           // steady state: every slot refilled
+#pragma unroll
+      for (int i = 0; i < kRing; ++i) step(i, true);
     }
-    if (cg != 0) flush();
+#pragma unroll 1
+    for (; b < b1; b += kRing) {                        // the last blocks: refill what remains
+#pragma unroll
+      for (int i = 0; i < kRing; ++i)
+        if (b + i < b1) step(i, b + i + kRing < b1);
+    }
+    if (cg != 0) {
+      const int s = min(ct - ft, kKmax - 1);
+      part[warp][s][g] = acc0;
+      part[warp][s][g + 8] = acc1;
+    }
+    if (ct - ft - (cg == 0) >= kKmax && lane == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 5);
   }
   // [/pd-gemv-loop]
   __syncthreads();   // all threads: every warp's row sums are in part[]
