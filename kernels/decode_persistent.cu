@@ -170,6 +170,9 @@ struct Ctx {
   unsigned* sync;
   int grid;
   float eps;                // rmsnorm epsilon
+  int n_ctx;                // attention: the context length, once read (-1: not yet)
+  int first_layer;          // the launch's first layer (its attention reads the pages)
+  int* s_pages;             // attention: this CTA's split's pages, once read (shared memory)
   const long long* lt;      // this layer's table row
   const long long* lt_next; // the next layer's (null after the last layer run)
   int prev;                 // counter the next instruction waits on (-1: none)
@@ -502,6 +505,8 @@ __device__ __forceinline__ void rope_pair(const half* x, half* out, int i, float
 // context length were written by `begin`, which this CTA has already seen complete); the
 // current token's row (n - 1) is roped and appended by the last split after the wait.
 constexpr int kAttnPre = 3;
+static_assert(NQ_PD_ATTN_SPLITS * GQA * (D + 2) % 4 == 0, "a KV head's split partials start 16-byte aligned");
+constexpr int kPagesCached = 64;   // a split's pages kept in shared memory from the first layer on
 struct KvRow { float k[D / 32], v[D / 32]; };
 __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc, long long off) {
   constexpr int E = D / 32;
@@ -527,7 +532,10 @@ __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc
 __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsigned char* smem) {
   constexpr int E = D / 32;                            // dims per lane
   begin_instruction(c);
-  const int n = __ldcg(c.scalars + S_CONTEXT * NQ_SCALAR_STRIDE);        // context incl. this token
+  // The context length and the split's pages do not change from layer to layer: read once per
+  // launch (the first attention), kept in Ctx and shared memory for the rest.
+  if (c.n_ctx < 0) c.n_ctx = __ldcg(c.scalars + S_CONTEXT * NQ_SCALAR_STRIDE);   // context incl. this token
+  const int n = c.n_ctx;
   const int splits = min(kAttnSplits, max(1, ceil_div(n, kAttnMinTokens)));
   const int u = blockIdx.x;
   const bool live = u < KVH * splits;
@@ -535,10 +543,17 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   const int j0 = (int)((long long)s * n / splits), j1 = live ? (int)((long long)(s + 1) * n / splits) : 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int* block_table = ptr<const int>(c.tab, T_BLOCK_TABLE);
+  const int p0 = j0 / NQ_PAGE_TOKENS;
+  if (layer == c.first_layer) {
+    for (int i = threadIdx.x; i < kPagesCached && p0 + i <= (j1 - 1) / NQ_PAGE_TOKENS; i += kThreads)
+      c.s_pages[i] = __ldcg(block_table + p0 + i);
+    __syncthreads();   // all threads: the split's pages are known
+  }
   half* kc = ptr<half>(lt, L_K);
   half* vc = ptr<half>(lt, L_V);
   auto row_of = [&](int j) {
-    const int page = __ldcg(block_table + j / NQ_PAGE_TOKENS);
+    const int pi = j / NQ_PAGE_TOKENS - p0;
+    const int page = pi < kPagesCached ? c.s_pages[pi] : __ldcg(block_table + j / NQ_PAGE_TOKENS);
     return ((long long)(page * KVH + g) * NQ_PAGE_TOKENS + j % NQ_PAGE_TOKENS) * D + lane * E;
   };
   KvRow pre[kAttnPre];
@@ -674,7 +689,14 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       // L2 round trip, not one per split), then the merge from there.
       const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
       __syncthreads();   // the last CTA's threads: done with wpart above
-      for (int i = threadIdx.x; i < splits * GQA * (D + 2); i += kThreads) wpart[i] = __ldcg(base + i);
+      {   // 16-byte cp.async straight into shared memory (L2 only, no registers), then one wait
+        const int total = splits * GQA * (D + 2), n4 = total / 4;
+        for (int i = threadIdx.x; i < n4; i += kThreads)
+          hopper::cp_async16(hopper::smem_u32(wpart + 4 * i), base + 4 * i, true);
+        hopper::cp_async_commit();
+        for (int i = 4 * n4 + threadIdx.x; i < total; i += kThreads) wpart[i] = __ldcg(base + i);
+        hopper::cp_async_wait<0>();
+      }
       __syncthreads();   // the last CTA's threads: the splits are staged
       if (threadIdx.x < GQA) {                         // per head: the splits' weights and the sum l
         const int h = threadIdx.x;
@@ -811,6 +833,10 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   c.grid = gridDim.x;
   c.eps = eps;
   c.lt = c.lt_next = nullptr;
+  __shared__ int s_pages[pd::kPagesCached];
+  c.n_ctx = -1;
+  c.first_layer = first_layer;
+  c.s_pages = s_pages;
   c.prev = -1;
   c.prev_target = 0;
   c.tl = NQ_PD_TIMELINE ? ptr<long long>(tab, T_TIMELINE) + (size_t)blockIdx.x * (5 * num_layers + 3) * 4 : nullptr;

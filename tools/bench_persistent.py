@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DEFAULT = ";".join([
     "",                                        # nanoqwen.yaml's knobs
-    "NQ_PD_EARLY_BLOCKS=0",                    # no gate_up prefetch during attention
-    "NQ_PD_EARLY_BLOCKS=16",
-    "NQ_PD_RING=3",
-    "NQ_PD_FOLD=0",
+    "NQ_PD_EARLY_BLOCKS=8",                    # gate_up's first blocks prefetched during attention
+    "NQ_PD_RING=4",
+    "NQ_PD_RING=2",
+    "NQ_PD_ATTN_SPLITS=8",
     "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16",
 ])
 
