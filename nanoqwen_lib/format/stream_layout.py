@@ -19,7 +19,16 @@ they are and only moves them:
   lane (r, t) loads the 4 bytes at 4 r, the scales of its rows r and r + 8 as one half2.
 
 So one stream carries codes and scales; a block is 33 DRAM sectors (1056 = 33 x 32).
-Pure NumPy: to_stream (layout 1 -> 3) and from_stream (3 -> 1) are exact inverses.
+to_stream (layout 1 -> 3) and from_stream (3 -> 1) are exact inverses, on NumPy arrays or,
+the same code, on CuPy arrays (the array module is the argument's, or `xp`; cupy is
+imported only when a CuPy array is passed). A projection whose N is a multiple of 16 has
+no padding rows, so the streams of row-stacked projections (q, k, v -> qkv) are the
+concatenation of their streams.
+
+A .nanoqwen file with header layout_id 3 stores each projection as one uint8 tensor
+`<proj>.stream` [stream_bytes(N, K)] (format/layout.py); NanoqwenFile.model_tensors()
+turns it back into layout 1 with from_stream, NanoqwenFile.stream_tensors() hands out the
+bytes as stored.
 """
 from __future__ import annotations
 
@@ -45,6 +54,16 @@ def stream_bytes(n: int, k: int) -> int:
     return -(-n // TILE_ROWS) * (k // GROUP) * BLOCK_BYTES
 
 
+def array_module(a, xp=None):
+    """`xp` if given, else CuPy for a CuPy array (imported only then), else NumPy."""
+    if xp is not None:
+        return xp
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
 def _check_shape(fn: str, n: int, k: int) -> None:
     if n < 1:
         raise NanoqwenError(f"stream_layout.{fn}", "N (output rows)", ">= 1", n)
@@ -52,11 +71,12 @@ def _check_shape(fn: str, n: int, k: int) -> None:
         raise NanoqwenError(f"stream_layout.{fn}", "K (inputs)", f"a positive multiple of {GROUP}", k)
 
 
-def to_stream(qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def to_stream(qweight, scales, xp=None):
     """Layout 1 (qweight uint32 [N, K/8], scales fp16 [N, K/128]) -> layout 3, uint8
-    [stream_bytes(N, K)]."""
+    [stream_bytes(N, K)], in the arrays' module (NumPy or CuPy; `xp` to say which)."""
     fn = "to_stream"
-    qweight, scales = np.asarray(qweight), np.asarray(scales)
+    xp = array_module(qweight, xp)
+    qweight, scales = xp.asarray(qweight), xp.asarray(scales)
     if qweight.dtype != _U32 and qweight.dtype != np.uint32:
         raise NanoqwenError(f"stream_layout.{fn}", "qweight.dtype", "uint32", qweight.dtype)
     if scales.dtype != _F16 and scales.dtype != np.float16:
@@ -71,24 +91,29 @@ def to_stream(qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
         raise NanoqwenError(f"stream_layout.{fn}", "scales.shape", f"({n}, {g}) for qweight {qweight.shape}",
                             scales.shape)
     t = -(-n // TILE_ROWS)
-    qw = np.zeros((t * TILE_ROWS, kw), _U32)
-    qw[:n] = qweight
-    sc = np.zeros((t * TILE_ROWS, g), _F16)
-    sc[:n] = scales
+    if t * TILE_ROWS == n:      # no padding rows: no copy
+        qw, sc = qweight, scales
+    else:
+        qw = xp.zeros((t * TILE_ROWS, kw), _U32)
+        qw[:n] = qweight
+        sc = xp.zeros((t * TILE_ROWS, g), _F16)
+        sc[:n] = scales
     # rows (tile, h, r), words (group, t, word) -> (tile, group, h, r, t, word)
     codes = qw.reshape(t, 2, 8, g, 4, 4).transpose(0, 3, 1, 2, 4, 5)
-    codes = np.ascontiguousarray(codes).view(np.uint8).reshape(t, g, CODE_BYTES)
+    codes = xp.ascontiguousarray(codes).view(np.uint8).reshape(t, g, CODE_BYTES)
     # rows (tile, h, r), group -> (tile, group, r, h)
-    sv = np.ascontiguousarray(sc.reshape(t, 2, 8, g).transpose(0, 3, 2, 1)).view(np.uint8).reshape(t, g, SCALE_BYTES)
-    return np.concatenate([codes, sv], axis=2).reshape(-1)
+    sv = xp.ascontiguousarray(sc.reshape(t, 2, 8, g).transpose(0, 3, 2, 1)).view(np.uint8).reshape(t, g, SCALE_BYTES)
+    return xp.concatenate([codes, sv], axis=2).reshape(-1)
 
 
-def from_stream(stream: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def from_stream(stream, n: int, k: int, xp=None):
     """Layout 3 bytes of an [n, k] projection -> layout 1 (qweight uint32 [n, k/8], scales
-    fp16 [n, k/128]). The padding rows must be zero (codes and scales)."""
+    fp16 [n, k/128]), in the stream's module (NumPy or CuPy; `xp` to say which). The
+    padding rows must be zero (codes and scales)."""
     fn = "from_stream"
     _check_shape(fn, n, k)
-    stream = np.asarray(stream)
+    xp = array_module(stream, xp)
+    stream = xp.asarray(stream)
     if stream.dtype != np.uint8:
         raise NanoqwenError(f"stream_layout.{fn}", "stream.dtype", "uint8", stream.dtype)
     if stream.ndim != 1 or stream.size != stream_bytes(n, k):
@@ -96,11 +121,11 @@ def from_stream(stream: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndar
                             stream.shape)
     t, g = -(-n // TILE_ROWS), k // GROUP
     blocks = stream.reshape(t, g, BLOCK_BYTES)
-    codes = np.ascontiguousarray(blocks[:, :, :CODE_BYTES]).view(_U32).reshape(t, g, 2, 8, 4, 4)
+    codes = xp.ascontiguousarray(blocks[:, :, :CODE_BYTES]).view(_U32).reshape(t, g, 2, 8, 4, 4)
     qw = codes.transpose(0, 2, 3, 1, 4, 5).reshape(t * TILE_ROWS, k // 8)
-    sv = np.ascontiguousarray(blocks[:, :, CODE_BYTES:]).view(_F16).reshape(t, g, 8, 2)
+    sv = xp.ascontiguousarray(blocks[:, :, CODE_BYTES:]).view(_F16).reshape(t, g, 8, 2)
     sc = sv.transpose(0, 3, 2, 1).reshape(t * TILE_ROWS, g)
-    if t * TILE_ROWS > n and (qw[n:].any() or sc[n:].view(np.uint16).any()):
+    if t * TILE_ROWS > n and (bool(qw[n:].any()) or bool(sc[n:].view(np.uint16).any())):
         raise NanoqwenError(f"stream_layout.{fn}", f"padding rows {n}..{t * TILE_ROWS - 1}",
                             "zero codes and scales", "nonzero bytes")
-    return np.ascontiguousarray(qw[:n]).astype(np.uint32), np.ascontiguousarray(sc[:n]).astype(np.float16)
+    return xp.ascontiguousarray(qw[:n]).astype(np.uint32), xp.ascontiguousarray(sc[:n]).astype(np.float16)
