@@ -103,8 +103,11 @@ def _check_output_file(path: Path, flag: str) -> None:
 
 def cmd_pack(a) -> int:
     from nanoqwen_lib.format.packer import pack_checkpoint
+    if a.layout == "stream" and a.weights != "int4":
+        raise LimitError("<arguments>", "--layout", f"split with --weights {a.weights} (stream is INT4 only)",
+                         a.layout)
     _check_output_file(a.output, "--output")
-    out = pack_checkpoint(a.checkpoint, a.output, progress=not a.quiet, weights=a.weights)
+    out = pack_checkpoint(a.checkpoint, a.output, progress=not a.quiet, weights=a.weights, layout=a.layout)
     print(f"wrote {out} ({out.stat().st_size / 1e9:.3f} GB)")
     return 0
 
@@ -269,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weights", choices=["int4", "fp8"], default="int4",
                    help="encoding of the seven projections: int4 (group 128, the default; the GPU engine "
                         "reads it) or fp8 (E4M3, one FP32 scale per output row; reference backend only so far)")
+    s.add_argument("--layout", choices=["split", "stream"], default="split",
+                   help="storage of the projections: split (codes and scales in two tensors, layout 1 for int4, "
+                        "the default) or stream (int4 only: layout 3, one lane-fragment stream per projection, "
+                        "what the streaming decode GEMV reads)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_pack)
 

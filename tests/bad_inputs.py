@@ -40,7 +40,7 @@ from nanoqwen_lib.synthetic.checkpoint import synthesize
 from nanoqwen_lib.format.weightfile import NanoqwenFile, write_nanoqwen
 
 from .test_checkpoint import edit_json, remap, variant
-from .test_fileformat import MICRO, _rewrite, random_producer
+from .test_fileformat import MICRO, _rewrite, random_producer, stream_producer
 
 ROOT = Path(__file__).resolve().parent.parent
 FILE, CHECKPOINT, REQUEST, CLI = ".nanoqwen file", "checkpoint", "request / limits", "CLI"
@@ -49,6 +49,10 @@ PACKED = "packed.nanoqwen"     # where checkpoint cases pack to
 TOKENIZER = b'{"model": {}}'   # an optional blob, so the file has a non-model entry too
 ENTRIES, _, FILE_BYTES = plan_layout(MICRO, len(TOKENIZER))  # the layout of micro_file_bytes()
 AT = {e.name: i for i, e in enumerate(ENTRIES)}           # directory index of each tensor
+# The same model in layout 3 (each projection one `.stream`): micro_file_bytes(stream=True)
+STREAM_ENTRIES, _, _ = plan_layout(MICRO, len(TOKENIZER), storage="stream")
+AT_STREAM = {e.name: i for i, e in enumerate(STREAM_ENTRIES)}
+Q_STREAM = "model.layers.0.self_attn.q_proj.stream"
 LN, LN2 = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
 NORM, Q_PROJ, K_PROJ = ("model.norm.weight", "model.layers.0.self_attn.q_proj.qweight",
                         "model.layers.0.self_attn.k_proj.qweight")
@@ -105,12 +109,14 @@ def outcome(case: Case, tmp: Path) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------- sources
 
-@functools.lru_cache(maxsize=2)
-def micro_file_bytes(tokenizer_json: bytes | None = TOKENIZER) -> bytes:
-    """A valid MICRO .nanoqwen file (random payloads, an optional tokenizer blob), made once."""
+@functools.lru_cache(maxsize=3)
+def micro_file_bytes(tokenizer_json: bytes | None = TOKENIZER, stream: bool = False) -> bytes:
+    """A valid MICRO .nanoqwen file (random payloads, an optional tokenizer blob; with
+    `stream`, the projections in layout 3), made once."""
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "micro.nanoqwen"
-        write_nanoqwen(p, MICRO, random_producer(1), tokenizer_json=tokenizer_json)
+        write_nanoqwen(p, MICRO, (stream_producer if stream else random_producer)(1), tokenizer_json=tokenizer_json,
+                       storage="stream" if stream else "split")
         return p.read_bytes()
 
 
@@ -130,6 +136,11 @@ def header(fix_crcs=True, **patch):
 
 def entry(tensor, **patch):
     return lambda p: _rewrite(p, dir_patch={AT[tensor]: patch})
+
+
+def stream_entry(tensor, **patch):
+    """entry() for the layout-3 file (stream_file_case)."""
+    return lambda p: _rewrite(p, dir_patch={AT_STREAM[tensor]: patch})
 
 
 def cut_to(n):
@@ -164,13 +175,18 @@ def drop_entry(name):
     return damage
 
 
-def file_case(input, damage, field, *also, **kw) -> Case:
+def file_case(input, damage, field, *also, stream=False, **kw) -> Case:
     def make(tmp):
         path = tmp / "bad.nanoqwen"
-        path.write_bytes(micro_file_bytes())
+        path.write_bytes(micro_file_bytes(stream=stream))
         damage(path)
         return lambda: NanoqwenFile.open(path)
     return Case(FILE, input, make, FormatError, field, also, **kw)
+
+
+def stream_file_case(input, damage, field, *also, **kw) -> Case:
+    """A case on the layout-3 file (`nanoqwen pack --layout stream`); its input says so."""
+    return file_case(f"layout 3 file: {input}", damage, field, *also, stream=True, **kw)
 
 
 def tensor_field(name, field):
@@ -226,6 +242,21 @@ FILE_CASES = [
               "unexpected", "bogus"),
     file_case("one bit of a payload flipped", flip(ENTRIES[AT[K_PROJ]].offset + 17),
               tensor_field(K_PROJ, "crc32")),
+    file_case("layout_id 3 (INT4 stream) on a layout 1 file, header re-sealed", header(layout_id=3),
+              "n_tensors", "layout 3 (int4, stream)"),
+    stream_file_case("layout_id 1, header re-sealed", header(layout_id=1), "n_tensors", "layout 1 (int4, split)"),
+    stream_file_case("layout_id 2 (FP8), header re-sealed", header(layout_id=2), "n_tensors", "layout 2 (fp8, split)"),
+    stream_file_case("layout_id 9", header(layout_id=9), "layout_id", "3 (int4, stream)"),
+    stream_file_case("q_proj.stream one block short (shape and nbytes)",
+                     stream_entry(Q_STREAM, shape0=STREAM_ENTRIES[AT_STREAM[Q_STREAM]].shape[0] - 1056,
+                                  nbytes=STREAM_ENTRIES[AT_STREAM[Q_STREAM]].nbytes - 1056),
+                     tensor_field(Q_STREAM, "shape"), f"({STREAM_ENTRIES[AT_STREAM[Q_STREAM]].shape[0]},)"),
+    stream_file_case("q_proj.stream stored as uint32", stream_entry(Q_STREAM, dtype=2),
+                     tensor_field(Q_STREAM, "dtype"), "uint8", "uint32"),
+    stream_file_case("q_proj.stream renamed q_proj.qweight", stream_entry(Q_STREAM, name=Q_PROJ.encode()),
+                     "tensors", "missing", Q_STREAM),
+    stream_file_case("one bit of q_proj.stream flipped", flip(STREAM_ENTRIES[AT_STREAM[Q_STREAM]].offset + 1030),
+                     tensor_field(Q_STREAM, "crc32")),
 ]
 
 
@@ -411,6 +442,8 @@ CLI_CASES = [
     cli_case("pack {tmp}/ckpt -o {tmp}/model.nanoqwen/m.nanoqwen --quiet", "--output",
              setup=lambda tmp: variant(micro_checkpoint(), tmp)),
     cli_case("pack {tmp}/ckpt -o {tmp}/m.nanoqwen --weights fp4", "--weights", "'fp4'"),
+    cli_case("pack {tmp}/ckpt -o {tmp}/m.nanoqwen --layout tiles", "--layout", "'tiles'"),
+    cli_case("pack {tmp}/ckpt -o {tmp}/m.nanoqwen --weights fp8 --layout stream", "--layout", "INT4 only"),
     cli_case("inspect {tmp}/missing.nanoqwen", "path"),
     cli_case("generate {tmp}/missing.nanoqwen --prompt-ids 1,2", "path"),
     cli_case("generate {tmp}/model.nanoqwen --prompt-ids 1,2 --max-new-tokens abc", "--max-new-tokens", "'abc'"),

@@ -30,6 +30,23 @@ def random_producer(seed):
     return produce
 
 
+def stream_producer(seed):
+    """random_producer(seed)'s tensors for a layout-3 file: each `<proj>.stream` is
+    to_stream of the `.qweight` and `.scales` random_producer(seed) makes for a layout-1
+    file, drawn in the same order, so both files hold the same model."""
+    from nanoqwen_lib.format.layout import projection_tensors, stream_sources
+    from nanoqwen_lib.format.stream_layout import to_stream
+    split, sources = random_producer(seed), stream_sources(MICRO)
+
+    def produce(name, dtype, shape):
+        if name in sources:
+            base, n, k = sources[name]
+            t = {sfx: split(f"{base}.{sfx}", dt, sh) for sfx, (dt, sh) in projection_tensors("int4", n, k).items()}
+            return to_stream(t["qweight"], t["scales"])
+        return split(name, dtype, shape)
+    return produce
+
+
 @pytest.fixture
 def micro_file(tmp_path):
     path = tmp_path / "micro.nanoqwen"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from nanoqwen_lib.format import quant
-from nanoqwen_lib.errors import FormatError, LimitError
+from nanoqwen_lib.errors import FormatError
 
 torch = pytest.importorskip("torch")
 
@@ -91,14 +91,15 @@ def test_fp8_generates_on_the_reference(fp8_tiny):
 
 def test_layout_id_is_never_reinterpreted(tmp_path):
     """An INT4 file whose header claims layout 2 (re-sealed, so only the meaning changed)
-    is refused at its first projection's dtype; an unknown id is refused in the header."""
+    is refused at its first projection's dtype, one that claims layout 3 (a projection a
+    stream) at its tensor count; an unknown id is refused in the header."""
     from nanoqwen_lib.synthetic.packed import packed_synthetic
     from nanoqwen_lib.format.fileformat import FMT, HEADER_CRC_AT, HEADER_FIELDS, HEADER_STRUCT
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     raw = bytearray(packed_synthetic("tiny").read_bytes())
     at = struct.calcsize("<" + "".join(code for _, code, _ in HEADER_FIELDS[:2]))   # magic, version
     assert HEADER_STRUCT.unpack_from(raw)[2] == FMT.layout_id
-    for layout, field in ((2, "dtype"), (3, "layout_id")):
+    for layout, field in ((2, "dtype"), (3, "n_tensors"), (9, "layout_id")):
         bad = bytearray(raw)
         struct.pack_into("<I", bad, at, layout)
         struct.pack_into("<I", bad, HEADER_CRC_AT, zlib.crc32(bytes(bad[:HEADER_CRC_AT])))

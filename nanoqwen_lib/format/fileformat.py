@@ -22,7 +22,7 @@ import numpy as np
 
 from nanoqwen_lib.config import ModelDims, load
 from nanoqwen_lib.errors import ConfigError, FormatError
-from nanoqwen_lib.format.layout import ENCODING_OF_LAYOUT, ENCODINGS, packed_tensor_count, packed_tensors
+from nanoqwen_lib.format.layout import LAYOUTS, layout_id_of, layout_name, packed_tensor_count, packed_tensors
 
 FMT = load().format
 
@@ -31,7 +31,8 @@ FMT = load().format
 HEADER_FIELDS = [
     ("magic", "8s", "b'NANOQWEN'"),
     ("version", "I", "format version (this build reads 1)"),
-    ("layout_id", "I", "weight encoding: 1 = INT4 symmetric, ValueShuffle nibbles; 2 = FP8 E4M3, row scales"),
+    ("layout_id", "I", "weight encoding: 1 = INT4 symmetric, ValueShuffle nibbles; 2 = FP8 E4M3, row scales; "
+                       "3 = layout 1 re-tiled into one lane-fragment stream per projection"),
     ("group_size", "I", "INT4 group along the input dim (128)"),
     ("alignment", "I", "payload alignment in bytes (128)"),
     ("header_bytes", "I", "256"),
@@ -60,7 +61,7 @@ HEADER_CRC_AT = FMT.header_bytes - 4
 
 DIR_FIELDS = [
     ("name", f"{FMT.dir_name_bytes}s", "UTF-8, NUL-padded"),
-    ("dtype", "I", "1 = fp16, 2 = uint32 (packed INT4), 3 = uint8 (FP8 codes, blob), 4 = fp32"),
+    ("dtype", "I", "1 = fp16, 2 = uint32 (packed INT4), 3 = uint8 (FP8 codes, INT4 stream, blob), 4 = fp32"),
     ("ndim", "I", "1 or 2"),
     ("shape0", "I", "first dim"),
     ("shape1", "I", "second dim (0 if ndim = 1)"),
@@ -117,10 +118,11 @@ def blob_sizes(blobs) -> dict[str, int]:
     return {name: (len(v) if isinstance(v, (bytes, bytearray)) else int(v)) for name, v in blobs.items()}
 
 
-def expected_entries(dims: ModelDims, blobs, encoding: str = "int4") -> dict[str, tuple[np.dtype, tuple]]:
-    """Every entry of a file: the model's tensors, then the blobs it carries (`blobs`: see
-    blob_sizes), in BLOBS order."""
-    exp = dict(packed_tensors(dims, encoding))
+def expected_entries(dims: ModelDims, blobs, encoding: str = "int4",
+                     storage: str = "split") -> dict[str, tuple[np.dtype, tuple]]:
+    """Every entry of a file: the model's tensors (projections in `storage`: layout.STORAGES),
+    then the blobs it carries (`blobs`: see blob_sizes), in BLOBS order."""
+    exp = dict(packed_tensors(dims, encoding, storage))
     sizes = blob_sizes(blobs)
     for name in BLOBS:
         if name in sizes:
@@ -128,11 +130,11 @@ def expected_entries(dims: ModelDims, blobs, encoding: str = "int4") -> dict[str
     return exp
 
 
-def plan_layout(dims: ModelDims, blobs=None,
-                encoding: str = "int4") -> tuple[list[TensorEntry], int, int]:
+def plan_layout(dims: ModelDims, blobs=None, encoding: str = "int4",
+                storage: str = "split") -> tuple[list[TensorEntry], int, int]:
     """Offsets of every payload: (entries without CRCs, data_offset, file_bytes); `blobs`:
     None, the tokenizer's byte count, or {blob name: bytes or byte count}."""
-    exp = expected_entries(dims, blobs, encoding)
+    exp = expected_entries(dims, blobs, encoding, storage)
     data_offset = align_up(FMT.header_bytes + len(exp) * FMT.dir_entry_bytes)
     entries, off = [], data_offset
     for name, (dt, shape) in exp.items():
@@ -155,9 +157,9 @@ def encode_directory(entries: list[TensorEntry]) -> bytes:
 
 
 def encode_header(dims: ModelDims, entries: list[TensorEntry], data_offset: int,
-                  file_bytes: int, directory: bytes, encoding: str = "int4") -> bytes:
+                  file_bytes: int, directory: bytes, encoding: str = "int4", storage: str = "split") -> bytes:
     values = {
-        "magic": FMT.magic.encode(), "version": FMT.version, "layout_id": ENCODINGS[encoding],
+        "magic": FMT.magic.encode(), "version": FMT.version, "layout_id": layout_id_of(encoding, storage),
         "group_size": FMT.group_size, "alignment": FMT.alignment,
         "header_bytes": FMT.header_bytes, "dir_entry_bytes": FMT.dir_entry_bytes,
         **{k: getattr(dims, k) for k in DIMS_FIELDS}, "flags": 0,
@@ -199,8 +201,8 @@ def parse_header(path, raw: bytes, file_len: int) -> Header:
     _check(path, "header_crc32", crc == zlib.crc32(raw[:HEADER_CRC_AT]),
            f"{zlib.crc32(raw[:HEADER_CRC_AT]):#010x} (CRC of bytes 0-251)", f"{crc:#010x}",
            "the header is corrupted")
-    _check(path, "layout_id", h["layout_id"] in ENCODING_OF_LAYOUT,
-           " or ".join(f"{i} ({e})" for i, e in sorted(ENCODING_OF_LAYOUT.items())), h["layout_id"],
+    _check(path, "layout_id", h["layout_id"] in LAYOUTS,
+           " or ".join(layout_name(i) for i in sorted(LAYOUTS)), h["layout_id"],
            "a weight layout this build does not know; it is never reinterpreted")
     for k in ("group_size", "alignment", "header_bytes", "dir_entry_bytes"):
         _check(path, k, h[k] == getattr(FMT, k), getattr(FMT, k), h[k])
@@ -231,9 +233,11 @@ def dims_of(path, h: Header) -> ModelDims:
 
 def parse_directory(path, h: Header, dims: ModelDims, directory: bytes) -> list[TensorEntry]:
     """Decode and validate every directory entry against the dims and the file."""
-    count = packed_tensor_count(dims)
+    encoding, storage = LAYOUTS[h.layout_id]
+    count = packed_tensor_count(dims, storage)
     _check(path, "n_tensors", count <= h.n_tensors <= count + len(BLOBS),
-           f"{count} for these dims (up to {count + len(BLOBS)} with the blobs {list(BLOBS)})", h.n_tensors)
+           f"{count} for these dims in layout {layout_name(h.layout_id)} (up to {count + len(BLOBS)} with the "
+           f"blobs {list(BLOBS)})", h.n_tensors)
     _check(path, "dir_crc32", zlib.crc32(directory) == h.dir_crc32, f"{zlib.crc32(directory):#010x}",
            f"{h.dir_crc32:#010x}", "the tensor directory is corrupted")
     entries, seen = [], set()
@@ -253,7 +257,7 @@ def parse_directory(path, h: Header, dims: ModelDims, directory: bytes) -> list[
         shape = (s0,) if ndim == 1 else (s0, s1)
         entries.append(TensorEntry(name, DTYPES[code], shape, off, nbytes, crc))
     blobs = {e.name: e.shape[0] for e in entries if e.name in BLOBS}
-    expected = expected_entries(dims, blobs, ENCODING_OF_LAYOUT[h.layout_id])
+    expected = expected_entries(dims, blobs, encoding, storage)
     names = [e.name for e in entries]
     missing = [n for n in expected if n not in seen]
     _check(path, "tensors", not missing, "every tensor of the model", f"{len(missing)} missing",

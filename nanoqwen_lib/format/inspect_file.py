@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from nanoqwen_lib.config import load
+from nanoqwen_lib.format import stream_layout as sl
 from nanoqwen_lib.format.fileformat import HEADER_FIELDS
 
 
@@ -19,6 +20,18 @@ def generation_settings(f) -> list[str]:
     return [eos, chat, cfg]
 
 
+def weight_layout(f) -> list[str]:
+    """The projections' layout: its id, encoding, storage, and the tensors that hold each."""
+    lid = f.header.layout_id
+    if f.storage == "stream":
+        held = (f"one uint8 <proj>.stream each ({sl.BLOCK_BYTES}-byte blocks of {sl.TILE_ROWS} rows x "
+                f"{sl.GROUP} inputs; read back as layout {load().format.layout_id}'s qweight + scales)")
+    else:
+        held = "<proj>.qweight + <proj>.scales"
+    return [f"layout       {lid}: {f.encoding}, {f.storage} storage",
+            f"projections  {held}"]
+
+
 def describe(f, tensors: bool = True) -> str:
     h = f.header.fields
     lines = [f"{f.path}  ({h['file_bytes']:,} bytes, payload CRCs "
@@ -27,6 +40,7 @@ def describe(f, tensors: bool = True) -> str:
         v = h[name]
         v = v.decode() if isinstance(v, bytes) else (f"{v:#010x}" if name.endswith("crc32") else v)
         lines.append(f"  {name:<16} {str(v):<14} {meaning}")
+    lines += ["", "weights:"] + [f"  {line}" for line in weight_layout(f)]
     lines += ["", "generation:"] + [f"  {line}" for line in generation_settings(f)]
     if tensors:
         lines += ["", f"tensors ({len(f.entries)}):",

@@ -9,6 +9,16 @@ two tensors in a .nanoqwen file, by the file's weight encoding (its header's lay
                                   contiguous: the K-major operand order of the FP8 MMA),
                                   `<proj>.scales` fp32 [out] (one per output row)
 
+That is the "split" storage, codes and scales in two tensors. INT4 may instead be stored
+as one stream per projection (layout 3, the "stream" storage, format/stream_layout.py):
+
+    int4 (layout 3)               `<proj>.stream` uint8 [stream_bytes(out, in)]: layout 1's
+                                  words and scales re-tiled into 1056-byte blocks
+
+The weight encoding stays "int4": a layout-3 file reads back as layout 1
+(NanoqwenFile.model_tensors), so `packed_tensors(dims, "int4")` is what every consumer of
+a file's model tensors sees, whatever its storage.
+
 Everything else stays FP16 under its HF name. `fp16` (the projections unquantized, under
 their HF names) exists for the reference model only, never in a file.
 """
@@ -17,14 +27,36 @@ from __future__ import annotations
 import numpy as np
 
 from nanoqwen_lib.config import ModelDims, load
+from nanoqwen_lib.format.stream_layout import stream_bytes
 
 FP16 = np.dtype("<f2")
 FP32 = np.dtype("<f4")
 UINT32 = np.dtype("<u4")
 UINT8 = np.dtype("u1")
-# Weight encodings a .nanoqwen file may carry: name -> header layout_id.
+# Weight encodings a .nanoqwen file may carry: name -> the header layout_id of its split storage.
 ENCODINGS = {"int4": load().format.layout_id, "fp8": load().format.fp8_layout_id}
-ENCODING_OF_LAYOUT = {v: k for k, v in ENCODINGS.items()}
+# How a file stores its projections: "split" (`.qweight` + `.scales`) or "stream" (one
+# `.stream` in layout 3, INT4 only).
+STORAGES = ("split", "stream")
+STREAM_LAYOUT_ID = load().format.stream_layout_id
+# Every header layout_id a file may carry -> (weight encoding, storage).
+LAYOUTS = {**{i: (e, "split") for e, i in ENCODINGS.items()}, STREAM_LAYOUT_ID: ("int4", "stream")}
+ENCODING_OF_LAYOUT = {i: e for i, (e, _) in LAYOUTS.items()}
+
+
+def layout_id_of(encoding: str, storage: str = "split") -> int:
+    """The header layout_id of a weight encoding in a storage (ValueError if there is none)."""
+    for i, spec in LAYOUTS.items():
+        if spec == (encoding, storage):
+            return i
+    raise ValueError(f"weight encoding {encoding!r} in storage {storage!r}: one of "
+                     f"{sorted(LAYOUTS.values())}")
+
+
+def layout_name(layout_id: int) -> str:
+    """A layout id in words, e.g. "3 (int4, stream)"."""
+    encoding, storage = LAYOUTS[layout_id]
+    return f"{layout_id} ({encoding}, {storage})"
 
 
 def layer_prefix(i: int) -> str:
@@ -54,10 +86,17 @@ def is_quantized(hf_name: str) -> bool:
     return hf_name.endswith("_proj.weight")
 
 
-def projection_tensors(encoding: str, n: int, k: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """The two tensors that store one [n, k] projection in a weight encoding: suffix ->
-    (dtype, shape). The one statement of each encoding's storage: the file, the arena and
-    every byte count derive from it."""
+def projection_tensors(encoding: str, n: int, k: int,
+                       storage: str = "split") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The tensors that store one [n, k] projection in a weight encoding and storage:
+    suffix -> (dtype, shape). The one statement of each encoding's storage: the file, the
+    arena and every byte count derive from it."""
+    if storage == "stream":
+        if encoding != "int4":
+            raise ValueError(f"storage 'stream' (layout {STREAM_LAYOUT_ID}) holds int4 weights, not {encoding!r}")
+        return {"stream": (UINT8, (stream_bytes(n, k),))}
+    if storage != "split":
+        raise ValueError(f"storage {storage!r}: one of {STORAGES}")
     if encoding == "int4":
         return {"qweight": (UINT32, (n, k // 8)), "scales": (FP16, (n, k // load().format.group_size))}
     if encoding == "fp8":
@@ -70,16 +109,17 @@ def projection_bytes(encoding: str, n: int, k: int) -> int:
     return sum(int(np.prod(shape)) * dt.itemsize for dt, shape in projection_tensors(encoding, n, k).values())
 
 
-def packed_tensors(dims: ModelDims, encoding: str = "int4") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """Every tensor of a .nanoqwen file with this weight encoding, in file order:
-    name -> (dtype, shape)."""
+def packed_tensors(dims: ModelDims, encoding: str = "int4",
+                   storage: str = "split") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every tensor of a .nanoqwen file with this weight encoding and storage, in file
+    order: name -> (dtype, shape)."""
     if encoding not in (*ENCODINGS, "fp16"):
         raise ValueError(f"weight encoding {encoding!r}: one of {sorted(ENCODINGS)} (or fp16, unquantized)")
     out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
     for name, shape in hf_tensors(dims).items():
         if is_quantized(name) and encoding != "fp16":
             base = name[: -len(".weight")]
-            for suffix, spec in projection_tensors(encoding, *shape).items():
+            for suffix, spec in projection_tensors(encoding, *shape, storage).items():
                 out[f"{base}.{suffix}"] = spec
         else:
             out[name] = (FP16, shape)
@@ -98,11 +138,23 @@ def encoding_of(tensors) -> str:
     return "fp8" if np.dtype(qweight.dtype) == UINT8 else "int4"
 
 
-def packed_tensor_count(dims: ModelDims) -> int:
-    """len(packed_tensors(dims)), by arithmetic (a hostile header's num_layers must not make
-    the reader build a list of billions of names): embed, final norm, lm_head when untied,
-    and per layer 2 norms + 3 biases + 7 projections x (qweight, scales)."""
-    return 2 + (0 if dims.tie_embeddings else 1) + dims.num_layers * (2 + 3 + 2 * len(dims.projections()))
+def packed_tensor_count(dims: ModelDims, storage: str = "split") -> int:
+    """len(packed_tensors(dims, ..., storage)), by arithmetic (a hostile header's num_layers
+    must not make the reader build a list of billions of names): embed, final norm, lm_head
+    when untied, and per layer 2 norms + 3 biases + 7 projections x (qweight, scales), or x
+    (stream) in the stream storage."""
+    per_projection = 1 if storage == "stream" else 2
+    return 2 + (0 if dims.tie_embeddings else 1) + dims.num_layers * (2 + 3 + per_projection * len(dims.projections()))
+
+
+def stream_sources(dims: ModelDims) -> dict[str, tuple[str, int, int]]:
+    """The stream storage's projections: `<proj>.stream` -> (`<proj>`, N, K), in file order."""
+    out = {}
+    for name, shape in hf_tensors(dims).items():
+        if is_quantized(name):
+            base = name[: -len(".weight")]
+            out[base + ".stream"] = (base, *shape)
+    return out
 
 
 def bytes_per_decode_token(dims: ModelDims, context_tokens: int = 0, encoding: str = "int4") -> dict[str, int]:

@@ -1,8 +1,10 @@
 """Open a validated .nanoqwen file (mmap), and write one atomically.
 
 `NanoqwenFile.open` validates header, directory and (unless told not to) every payload's
-CRC32 before returning; its `tensors` are read-only NumPy views of the mapping, which the
-GPU engine uploads and the reference model reads.
+CRC32 before returning; its `tensors` are read-only NumPy views of the mapping, as stored.
+`model_tensors()` is what the GPU engine uploads and the reference model reads: the
+projections always as layout 1 (`.qweight` + `.scales`), converted from a layout-3 file's
+`.stream` tensors when asked for; `stream_tensors()` hands out those streams as stored.
 
 `AtomicOutput` never leaves a half-written file: on Linux the data goes to an unnamed
 O_TMPFILE that only gets a name (linkat) once complete, so even SIGKILL leaves nothing
@@ -11,14 +13,16 @@ behind; elsewhere a hidden temp file is removed on any exception or Ctrl-C.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from nanoqwen_lib.config import ModelDims
-from nanoqwen_lib.errors import FormatError
-from nanoqwen_lib.format.layout import ENCODING_OF_LAYOUT
+from nanoqwen_lib.errors import FormatError, NanoqwenError
+from nanoqwen_lib.format.layout import LAYOUTS, layout_id_of, packed_tensors, stream_sources
+from nanoqwen_lib.format.stream_layout import from_stream
 from nanoqwen_lib.format.fileformat import (BLOBS, CHAT_TEMPLATE_BLOB, CONFIG_BLOB, FMT, GENERATION_BLOB,
                                            TOKENIZER_BLOB, Header, TensorEntry, blob_sizes, crc32_of, dims_of,
                                            encode_directory, encode_header, parse_directory, parse_header,
@@ -32,6 +36,49 @@ def _what_directory(path: Path) -> str:
         return (f"a checkpoint directory (pack it first: nanoqwen pack {path} -o "
                 f"{path.name or 'model'}.nanoqwen)")
     return "a directory"
+
+
+class Layout1Tensors(Mapping):
+    """A layout-3 file's model tensors as layout 1, under layout.packed_tensors(dims, "int4")
+    names: each projection's `.qweight` and `.scales` are made from its `.stream` by
+    stream_layout.from_stream when asked for (the last projection converted is kept, so
+    reading a projection's qweight and then its scales converts it once); every other
+    tensor is the file's own read-only view. `path` names the file in refusals."""
+
+    def __init__(self, path, dims, stored: dict[str, np.ndarray]):
+        self.path, self._stored = path, stored
+        self._names = dict.fromkeys(packed_tensors(dims, "int4"))     # in file order
+        self._from = {}                  # layout-1 name -> (stream name, N, K, 0 qweight / 1 scales)
+        for stream, (base, n, k) in stream_sources(dims).items():
+            self._from[base + ".qweight"] = (stream, n, k, 0)
+            self._from[base + ".scales"] = (stream, n, k, 1)
+        self._last: tuple[str | None, tuple] = (None, ())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        src = self._from.get(name)
+        if src is None:
+            if name not in self._stored or name not in self._names:
+                raise KeyError(name)
+            return self._stored[name]
+        stream, n, k, i = src
+        if self._last[0] != stream:
+            try:
+                pair = from_stream(self._stored[stream], n, k, xp=np)
+            except NanoqwenError as e:
+                raise FormatError(self.path, f"tensor {stream!r}: {e.field}", e.expected, e.found) from None
+            for a in pair:
+                a.flags.writeable = False       # as read-only as the mapping it comes from
+            self._last = (stream, pair)
+        return self._last[1][i]
+
+    def __contains__(self, name) -> bool:      # without converting anything
+        return name in self._from or (name in self._stored and name in self._names)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @dataclass
@@ -109,16 +156,35 @@ class NanoqwenFile:
 
     @property
     def encoding(self) -> str:
-        """The projections' weight encoding, from the header's layout_id: "int4" or "fp8"."""
-        return ENCODING_OF_LAYOUT[self.header.layout_id]
+        """The projections' weight encoding, from the header's layout_id: "int4" (layouts 1
+        and 3) or "fp8" (layout 2)."""
+        return LAYOUTS[self.header.layout_id][0]
+
+    @property
+    def storage(self) -> str:
+        """How the file stores its projections, from the header's layout_id: "split"
+        (`.qweight` + `.scales`, layouts 1 and 2) or "stream" (one `.stream`, layout 3)."""
+        return LAYOUTS[self.header.layout_id][1]
 
     @property
     def tokenizer_json(self) -> bytes | None:
         return self.blob(TOKENIZER_BLOB)
 
-    def model_tensors(self) -> dict[str, np.ndarray]:
-        """The model's tensors only (layout.packed_tensors names), without blobs."""
+    def model_tensors(self) -> Mapping[str, np.ndarray]:
+        """The model's tensors only (layout.packed_tensors(dims, self.encoding) names),
+        without blobs; the projections in their split storage whatever the file's: a
+        layout-3 file's come from its streams (Layout1Tensors), exactly layout 1's."""
+        if self.storage == "stream":
+            return Layout1Tensors(self.path, self.dims, self.tensors)
         return {k: v for k, v in self.tensors.items() if k not in BLOBS}
+
+    def stream_tensors(self) -> dict[str, np.ndarray] | None:
+        """A layout-3 file's projections as stored: `<proj>.stream` -> read-only uint8
+        [stream_layout.stream_bytes(N, K)] (N, K: layout.stream_sources(dims)), in file
+        order; None for a file that stores them split (layouts 1 and 2)."""
+        if self.storage != "stream":
+            return None
+        return {name: self.tensors[name] for name in stream_sources(self.dims)}
 
     def verify(self) -> None:
         """Check every payload's CRC32 (what `nanoqwen inspect --verify` runs)."""
@@ -187,19 +253,22 @@ class AtomicOutput:
 
 
 def write_nanoqwen(path, dims: ModelDims, produce, tokenizer_json: bytes | None = None,
-                   progress=None, encoding: str = "int4", blobs: dict[str, bytes] | None = None) -> Path:
-    """Write a .nanoqwen file with this weight encoding. `produce(name, dtype, shape)`
+                   progress=None, encoding: str = "int4", blobs: dict[str, bytes] | None = None,
+                   storage: str = "split") -> Path:
+    """Write a .nanoqwen file with this weight encoding, its projections in `storage`
+    (layout.STORAGES: "stream" is layout 3, INT4 only). `produce(name, dtype, shape)`
     returns that tensor's array (called once per tensor, in file order, so a packer holds
     one tensor at a time). `progress(nbytes)` is called after each payload. `blobs`
     ({name in fileformat.BLOBS: bytes}) are carried after the tensors, as is
     `tokenizer_json`."""
+    layout_id_of(encoding, storage)      # an encoding/storage pair with no layout: refused before any write
     blobs = dict(blobs or {})
     if tokenizer_json is not None:
         blobs[TOKENIZER_BLOB] = tokenizer_json
     unknown = set(blobs) - set(BLOBS)
     if unknown:
         raise ValueError(f"blobs {sorted(unknown)}: one of {list(BLOBS)}")
-    entries, data_offset, file_bytes = plan_layout(dims, blob_sizes(blobs), encoding)
+    entries, data_offset, file_bytes = plan_layout(dims, blob_sizes(blobs), encoding, storage)
     done = []
     with AtomicOutput(path) as out:
         for e in entries:
@@ -217,5 +286,5 @@ def write_nanoqwen(path, dims: ModelDims, produce, tokenizer_json: bytes | None 
         directory = encode_directory(done)
         os.ftruncate(out.fd, file_bytes)  # the file's full length, tail padding included
         out.pwrite(directory, FMT.header_bytes)
-        out.pwrite(encode_header(dims, done, data_offset, file_bytes, directory, encoding), 0)
+        out.pwrite(encode_header(dims, done, data_offset, file_bytes, directory, encoding, storage), 0)
     return Path(path)

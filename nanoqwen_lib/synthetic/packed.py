@@ -11,15 +11,19 @@ from nanoqwen_lib.format.packer import pack_checkpoint
 from nanoqwen_lib.synthetic.checkpoint import RECIPE_VERSION
 
 
+def _tag(weights: str, layout: str) -> str:
+    return ("" if weights == "int4" else f"-{weights}") + ("" if layout == "split" else f"-{layout}")
+
+
 def packed_synthetic(dims_name: str = "tiny", seed: int = 0, progress: bool = False,
-                     weights: str = "int4") -> Path:
+                     weights: str = "int4", layout: str = "split") -> Path:
     """The .nanoqwen file of the synthetic `dims_name` checkpoint, packed once (with the
-    projections' encoding `weights`: int4 or fp8) and cached."""
-    tag = "" if weights == "int4" else f"-{weights}"
-    out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}{tag}.nanoqwen"
+    projections' encoding `weights`: int4 or fp8, stored `layout`: split, or stream for
+    layout 3) and cached."""
+    out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}{_tag(weights, layout)}.nanoqwen"
     # pack_checkpoint writes through weightfile.AtomicOutput (an unnamed file, then a rename)
     return build_once(out, lambda path: pack_checkpoint(synthetic_checkpoint(dims_name, seed=seed, progress=progress),
-                                                        path, progress=progress, weights=weights))
+                                                        path, progress=progress, weights=weights, layout=layout))
 
 
 # A 7B checkpoint in bf16 is 15 GB and packing it quantizes 7.6e9 weights: minutes of CPU.
@@ -50,6 +54,12 @@ def _direct_producer(dims, seed, weights="int4"):
     fp8_code_std = float(fp8_e4m3_decode(lut).astype(np.float64).std()) if weights == "fp8" else None
 
     def produce(name, dtype, shape):
+        if name.endswith(".stream"):      # layout 3: the split storage's own words and scales, re-tiled
+            from nanoqwen_lib.format.layout import projection_tensors, stream_sources
+            from nanoqwen_lib.format.stream_layout import to_stream
+            base, n, k = stream_sources(dims)[name]
+            split = {s: produce(f"{base}.{s}", dt, sh) for s, (dt, sh) in projection_tensors("int4", n, k).items()}
+            return to_stream(split["qweight"], split["scales"])
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         if name.endswith(".qweight") and weights == "fp8":
             out = np.empty(shape, np.uint8)
@@ -81,14 +91,14 @@ def _direct_producer(dims, seed, weights="int4"):
 
 
 def packed_synthetic_direct(dims_name: str = "7b", seed: int = 0, progress: bool = False,
-                            weights: str = "int4") -> Path:
+                            weights: str = "int4", layout: str = "split") -> Path:
     """A .nanoqwen file of `dims_name` written directly (no bf16 checkpoint), cached; the
     projections INT4 (uniform codes) or FP8 (`weights="fp8"`: codes drawn from a Gaussian
-    row's E4M3 distribution, FP32 row scales), each with the recipe's weight std."""
+    row's E4M3 distribution, FP32 row scales), each with the recipe's weight std. INT4 with
+    `layout="stream"` is layout 3, the same words and scales as the split file's."""
     from nanoqwen_lib.config import load
     from nanoqwen_lib.format.weightfile import write_nanoqwen
-    tag = "" if weights == "int4" else f"-{weights}"
-    out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}-direct{tag}.nanoqwen"
+    out = cache_dir() / f"{dims_name}-seed{seed}-r{RECIPE_VERSION}-direct{_tag(weights, layout)}.nanoqwen"
 
     def build(out: Path) -> None:      # write_nanoqwen writes through weightfile.AtomicOutput
         dims = load().model(dims_name)
@@ -96,9 +106,9 @@ def packed_synthetic_direct(dims_name: str = "7b", seed: int = 0, progress: bool
         if progress:
             from tqdm import tqdm  # the console bar: no ipywidgets needed in notebooks
             from nanoqwen_lib.format.fileformat import plan_layout
-            bar = tqdm(total=plan_layout(dims, None, weights)[2], unit="B", unit_scale=True, desc=out.name)
+            bar = tqdm(total=plan_layout(dims, None, weights, layout)[2], unit="B", unit_scale=True, desc=out.name)
         write_nanoqwen(out, dims, _direct_producer(dims, seed, weights), progress=bar.update if bar else None,
-                       encoding=weights)
+                       encoding=weights, storage=layout)
         if bar:
             bar.close()
 
