@@ -53,6 +53,28 @@ def test_layout3_copies_match_the_layout1_weights(file_7b, engine_7b):
             assert np.array_equal(sc.view(np.uint16), a[f"w.{l}.{m}.scales"].get().view(np.uint16)), (l, m)
 
 
+def test_a_layout3_file_is_uploaded_as_stored():
+    """tiny packed in layout 3 (`pack --layout stream`): the engine takes the file's streams
+    as they are; they equal the GPU repack of the same weights packed in layout 1, and the
+    two engines generate the same tokens."""
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    runs, arenas = {}, {}
+    for layout in ("split", "stream"):
+        f = NanoqwenFile.open(packed_synthetic("tiny", seed=0, layout=layout))
+        eng = GpuBackend(f, max_tokens=256, decode="persistent")
+        ids = [eng.prefill([5, 6, 7, 8, 9])]
+        for _ in range(20):
+            ids.append(eng.decode(ids[-1]))
+        runs[layout] = ids
+        arenas[layout] = {m: eng.arena[f"w.1.{m}.s3"].get() for m in ("qkv", "gate_up", "down")}
+        del eng
+    for m in arenas["split"]:
+        assert np.array_equal(arenas["split"][m], arenas["stream"][m]), m
+    assert runs["split"] == runs["stream"]
+
+
 @pytest.mark.parametrize("layer", [0, 27])
 def test_persistent_layer_matches_reference_7b(file_7b, engine_7b, layer):
     rng = np.random.default_rng(200 + layer)

@@ -168,7 +168,7 @@ class GpuBackend:
         self.pd = None
         if decode == "persistent":
             from nanoqwen_lib.gpu.persistent import PersistentStep
-            PersistentStep.upload_streams(a, dims)
+            PersistentStep.upload_streams(a, dims, nq_file)
             self.pd = PersistentStep(self, timeline=timeline)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.prefill_mode = prefill

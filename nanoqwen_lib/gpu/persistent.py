@@ -26,6 +26,9 @@ TAB_GLOBALS = ("EMBED", "NORM", "LM_HEAD", "LOGITS", "SCALARS", "BLOCK_TABLE", "
 TAB_LAYER = ("QKV", "O", "GATE_UP", "DOWN", "LN1", "LN2", "QKV_BIAS", "K", "V")
 LAYER_BASE, LAYER_STRIDE = 32, 16
 MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, in order
+# The file's projections each engine matrix stacks, in row order (gpu.engine.weight_sources).
+STACKED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
+           "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 F_BEGIN, F_HEAD = 1, 2
 ERRORS = {3: "a dependency wait timed out (NQ_PD_TIMEOUT_MS)", 4: "launched with too little shared memory",
           5: "the plan broke a kernel limit (NQ_PD_KMAX tiles a warp, a row a thread)"}
@@ -127,15 +130,27 @@ class PersistentStep:
                              f"<= {dev.attributes['MaxSharedMemoryPerMultiprocessor']}", smem)
 
     @staticmethod
-    def upload_streams(arena, dims: ModelDims) -> None:
-        """Layout-3 copies of the four projections of every layer, repacked on the GPU from
-        the layout-1 words and scales already in the arena (format.stream_layout.to_stream,
-        the same code as the NumPy repacker)."""
+    def upload_streams(arena, dims: ModelDims, nq_file=None) -> None:
+        """Layout-3 copies of the four projections of every layer. A file stored in layout 3
+        (`nanoqwen pack --layout stream`) gives its bytes as they are: the engine's stacked
+        matrices are its projections' streams end to end (every N is a multiple of 16, so no
+        padding rows sit between them). Otherwise they are repacked on the GPU from the
+        layout-1 words and scales already in the arena (format.stream_layout.to_stream, the
+        same code as the NumPy repacker)."""
         from nanoqwen_lib.format.stream_layout import to_stream
+        stored = nq_file.stream_tensors() if nq_file is not None else None
         for l in range(dims.num_layers):
             for m in MATRICES:
                 w = f"w.{l}.{m}"
-                arena[w + ".s3"][...] = to_stream(arena[w + ".qweight"], arena[w + ".scales"])
+                if stored is None:
+                    arena[w + ".s3"][...] = to_stream(arena[w + ".qweight"], arena[w + ".scales"])
+                    continue
+                off = 0
+                for part in STACKED[m]:
+                    b = stored[f"model.layers.{l}.{part}.stream"]
+                    arena.upload(w + ".s3", b, off)
+                    off += b.size
+                assert off == arena[w + ".s3"].size, (w, off)
 
     def reset(self) -> None:
         """Counters to zero (the kernel leaves them so; a timed-out launch may not)."""
