@@ -5,7 +5,7 @@ the operation a user would run on it: open the .nanoqwen file, pack the checkpoi
 the request, run the CLI verb in a subprocess. `op()` must raise `case.error` with a
 message that names the file (or "<arguments>") and `case.field`, and says what was
 expected and what was found. tests/test_bad_inputs.py runs every case; the appendix
-(book/12-appendix-bad-inputs.md) prints the table of them.
+(book/13-appendix-bad-inputs.md) prints the table of them.
 
 A case whose input is not yet refused cleanly says so in `bug` (what happens instead): its
 test is a strict xfail, so the fix turns it into a failure that asks for the note to go.

@@ -49,7 +49,8 @@ def probe(eng, prompt, defines) -> None:
     eng.pd = PersistentStep(eng, defines=defines)
     eng.prefill_enqueue(prompt)
     for _ in range(4):
-        eng.pd.buf["PROBE"].fill(0)
+        with eng.stream:
+            eng.pd.buf["PROBE"].fill(0)
         eng.launch_step(replay=False)
     eng.token_at(eng.position - 1)
     p = eng.pd.buf["PROBE"].get().astype(np.float64)

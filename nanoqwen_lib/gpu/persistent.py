@@ -116,6 +116,7 @@ class PersistentStep:
             for i, name in enumerate(TAB_LAYER):
                 tab[LAYER_BASE + LAYER_STRIDE * l + i] = row[name].data.ptr
         self.tab = cp.asarray(tab)
+        cp.cuda.Device().synchronize()      # the zeroed buffers (default stream) before any launch on the engine's
 
     def _check_residency(self, dev) -> None:
         """Every CTA must be resident at once (they wait on each other): one CTA per SM must
@@ -151,6 +152,8 @@ class PersistentStep:
                     arena.upload(w + ".s3", b, off)
                     off += b.size
                 assert off == arena[w + ".s3"].size, (w, off)
+        import cupy as cp
+        cp.cuda.Device().synchronize()      # the repack ran on the default stream; the engine's is non-blocking
 
     def reset(self) -> None:
         """Counters to zero (the kernel leaves them so; a timed-out launch may not)."""
@@ -171,6 +174,8 @@ class PersistentStep:
         (measure.timeline reads them); then cleared to -1 for the next."""
         if not self.timeline_on:
             raise LimitError(f"kernels/{KERNEL}.cu", "NQ_PD_TIMELINE", "a timeline build (timeline=True)", 0)
-        out = self.buf["TIMELINE"].get()
-        self.buf["TIMELINE"].fill(-1)
+        with self.eng.stream:
+            out = self.buf["TIMELINE"].get(stream=self.eng.stream)
+            self.buf["TIMELINE"].fill(-1)
+        self.eng.stream.synchronize()
         return out

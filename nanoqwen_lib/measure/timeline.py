@@ -314,7 +314,8 @@ def timeline_token(engine, prompt: list[int], steps: int = 8, keep_events: bool 
     try:
         engine.prefill_enqueue(prompt)
         for _ in range(steps):
-            diag.buf["TIMELINE"].fill(-1)
+            with engine.stream:                  # ordered with the launches (a non-blocking stream)
+                diag.buf["TIMELINE"].fill(-1)
             engine.launch_step(replay=False)
         engine.token_at(engine.position - 1)
         buf = diag.timeline()
