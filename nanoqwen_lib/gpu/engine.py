@@ -124,6 +124,7 @@ class GpuBackend:
     """
 
     name = "gpu"
+    pd = None            # the persistent step (gpu.persistent.PersistentStep) when decode="persistent"
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
                  prefill: str = "tensor-core", prefill_gemm: str | None = None, decode: str | None = None,
