@@ -481,7 +481,6 @@ def tuning_defines() -> dict[str, int]:
     return {k: v for e in load().tuning.values() for k, v in e.defines.items()}
 
 
-# [persistent-plan]
 def persistent_plan(dims: ModelDims, sms: int | None = None) -> dict[str, int]:
     """How the persistent decode step (kernels/decode_persistent.cu) cuts each layer GEMV over
     a grid of `sms` CTAs (default: engine.persistent.sms): NQ_PD_<M>_TG tile sets x
@@ -523,7 +522,6 @@ def persistent_plan(dims: ModelDims, sms: int | None = None) -> dict[str, int]:
                              "none (too few SMs: use decode=graph)")
         out[f"NQ_PD_{name}_TG"], out[f"NQ_PD_{name}_KS"] = best[1], best[2]
     return out
-# [/persistent-plan]
 
 
 def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
