@@ -1,4 +1,7 @@
 """Fixtures shared by the tests (the repository's conftest.py handles GPU skips and nbval)."""
+import gc
+import sys
+
 import numpy as np
 import pytest
 
@@ -9,6 +12,17 @@ def rng():
     seed = int(np.random.SeedSequence().entropy % 2**63)
     print(f"seed {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """After each test, the device memory its dropped engines held goes back to the driver
+    (CuPy's pool would keep it): with `-n 4` several workers share one GPU, and a persistent
+    7B engine holds two copies of its weights. Nothing happens where CuPy was never imported."""
+    yield
+    if "cupy" in sys.modules:
+        gc.collect()
+        sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
 
 
 # ---- the cheap GPU loop: `pytest -m "gpu and quick"` --------------------------------------
@@ -31,7 +45,9 @@ QUICK = {
     "tests/test_gpu_fp8.py::test_quantize_rows_bit_exact[37-3584]": "nq_quantize_rows_fp8",
     "tests/test_gpu_fp8.py::test_gemm_fp8[130-896-17-mma_sync]": "nq_gemm_fp8",
     "tests/test_gpu_engine.py::test_greedy_tokens_match_reference_tiny_pipeline":
-        "nq_step_begin / nq_step_end and the INT4 engine's decode step, end to end",
+        "nq_step_begin / nq_step_end and the INT4 engine's kernel-per-op decode step, end to end",
+    "tests/test_gpu_persistent.py::test_persistent_greedy_tokens_match_reference_tiny[tiny]":
+        "nq_decode_persistent (the default decode step), end to end",
 }
 
 

@@ -84,7 +84,7 @@ def check_prefill(nq_file, refm, n, seed, layers, max_tokens):
     from nanoqwen_lib.model.reference import argmax_and_gap
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 151643, n).tolist()
-    eng = GpuBackend(nq_file, max_tokens=max_tokens, graphs=False)   # INT4 or FP8, by the file
+    eng = GpuBackend(nq_file, max_tokens=max_tokens, graphs=False, decode="graph")   # INT4 or FP8, by the file
     eng.kv.fill(cp.nan)
     for name in ("p.x", "p.y", "p.qkv", "p.q", "p.attn", "p.gate_up", "p.act", "p.ts", "a.logits"):
         if name in eng.arena.plan.slots:                            # p.ts: the FP8 engine's

@@ -1,4 +1,6 @@
-"""The ladder's layer and model rungs on the GPU (marked gpu; skipped without one).
+"""The ladder's layer and model rungs on the GPU (marked gpu; skipped without one), on the
+kernel-per-op decode step (decode="graph", the baseline the persistent step is measured
+against; tests/test_gpu_persistent.py runs the same rungs on the persistent step).
 
 layer: one decoder block of the GPU engine against reference.decoder_layer_decode on the
        7B's shapes, given the same input and the same cached K/V (read back from the pages).
@@ -27,7 +29,7 @@ def file_7b():
 @pytest.fixture(scope="module")
 def engine_7b(file_7b):
     from nanoqwen_lib.gpu.engine import GpuBackend
-    return GpuBackend(file_7b, max_tokens=4096)
+    return GpuBackend(file_7b, max_tokens=4096, decode="graph")
 
 
 def _prompt(rng, n, vocab=151643):
@@ -47,7 +49,7 @@ def _agreement(nq_file, prompts, new_tokens, max_tokens=4096):
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.model.reference import ReferenceModel
     from nanoqwen_lib.measure.validate import greedy_agreement
-    gpu = GpuBackend(nq_file, max_tokens=max_tokens)
+    gpu = GpuBackend(nq_file, max_tokens=max_tokens, decode="graph")
     refm = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
     return greedy_agreement(gpu, refm, prompts, new_tokens)
 
@@ -81,7 +83,7 @@ def test_graph_replay_identical_to_eager(file_7b, prompt_len):
     perm = rng.permutation(-(-600 // 16))
     runs = {}
     for graphs in (False, True):
-        eng = GpuBackend(file_7b, max_tokens=600, graphs=graphs)
+        eng = GpuBackend(file_7b, max_tokens=600, graphs=graphs, decode="graph")
         first = eng.prefill(prompt, physical_pages=perm)
         ids = [first]
         for _ in range(129):
@@ -129,7 +131,7 @@ def test_tensor_core_and_token_by_token_prefill_agree_7b(file_7b):
     prompt = _prompt(rng, 77)
     runs = {}
     for mode in ("tensor-core", "token-by-token"):
-        eng = GpuBackend(file_7b, max_tokens=256, prefill=mode)
+        eng = GpuBackend(file_7b, max_tokens=256, prefill=mode, decode="graph")
         ids = [eng.prefill(prompt)]
         logits, kv = eng.arena["a.logits"].copy(), eng.cached_kv(27, len(prompt))
         for _ in range(31):
