@@ -11,6 +11,7 @@
 // merges the pairs, writes the token and resets the counter to 0 for the next launch.
 #include "common.cuh"
 #include "argmax.cuh"
+#include "rowops.cuh"   // sumsq8, rmsnorm8
 
 #ifndef NQ_DECODE_THREADS   // threads per CTA of every kernel in this file
 #error "NQ_DECODE_THREADS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -42,30 +43,10 @@ nq_rmsnorm(const half* __restrict__ x, const half* __restrict__ w, half* __restr
   out += (size_t)blockIdx.x * H;
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
   float ss = 0.f;
-  for (int c = threadIdx.x; c < H / 8; c += nq::kDecThreads) {
-    const uint4 v = x4[c];
-    const half2* h = reinterpret_cast<const half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(h[i]);
-      ss = fmaf(f.x, f.x, ss);
-      ss = fmaf(f.y, f.y, ss);
-    }
-  }
+  for (int c = threadIdx.x; c < H / 8; c += nq::kDecThreads) ss = nq::sumsq8(x4[c], ss);
   const float r = 1.0f / sqrtf(nq::block_sum(ss) / (float)H + eps);   // IEEE sqrt and divide
-  for (int c = threadIdx.x; c < H / 8; c += nq::kDecThreads) {
-    const uint4 v = x4[c], wv = reinterpret_cast<const uint4*>(w)[c];
-    const half2* h = reinterpret_cast<const half2*>(&v);
-    const half2* wh = reinterpret_cast<const half2*>(&wv);
-    uint4 o;
-    half2* oh = reinterpret_cast<half2*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(h[i]), g = __half22float2(wh[i]);
-      oh[i] = __floats2half2_rn(f.x * r * g.x, f.y * r * g.y);
-    }
-    reinterpret_cast<uint4*>(out)[c] = o;
-  }
+  for (int c = threadIdx.x; c < H / 8; c += nq::kDecThreads)
+    reinterpret_cast<uint4*>(out)[c] = nq::rmsnorm8(x4[c], reinterpret_cast<const uint4*>(w)[c], r);
 }
 // [/rmsnorm]
 

@@ -52,6 +52,7 @@
 // nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
+#include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
 
 #ifndef NQ_HEAD_DIM
 #error "decode_persistent.cu needs the model dims (cuda_defines(dims))"
@@ -247,31 +248,12 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // nq_rmsnorm arithmetic.
 __device__ __forceinline__ float rms_inv(const half* x, float* red, float eps) {
   float ss = 0.f;
-  for (int c = threadIdx.x; c < H / 8; c += kThreads) {
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + c);
-    const half2* h = reinterpret_cast<const half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(h[i]);
-      ss = fmaf(f.x, f.x, ss);
-      ss = fmaf(f.y, f.y, ss);
-    }
-  }
+  for (int c = threadIdx.x; c < H / 8; c += kThreads) ss = nq::sumsq8(__ldcg(reinterpret_cast<const uint4*>(x) + c), ss);
   return 1.0f / sqrtf(block_sum(ss, red) / (float)H + eps);
 }
 // y = fp16(x * r * w) for the 8 halves of chunk c.
 __device__ __forceinline__ uint4 norm_chunk(const half* x, const half* w, float r, int c) {
-  const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + c), wv = __ldg(reinterpret_cast<const uint4*>(w) + c);
-  const half2* h = reinterpret_cast<const half2*>(&v);
-  const half2* wh = reinterpret_cast<const half2*>(&wv);
-  uint4 o;
-  half2* oh = reinterpret_cast<half2*>(&o);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(h[i]), g = __half22float2(wh[i]);
-    oh[i] = __floats2half2_rn(f.x * r * g.x, f.y * r * g.y);
-  }
-  return o;
+  return nq::rmsnorm8(__ldcg(reinterpret_cast<const uint4*>(x) + c), __ldg(reinterpret_cast<const uint4*>(w) + c), r);
 }
 
 // ---- GEMV instructions ------------------------------------------------------------------
@@ -381,15 +363,8 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     } else {   // SwiGLU: act = gate_up [2K]: fp16(silu(g) * u) (gemv_int4.cuh [swiglu])
       for (int ch = threadIdx.x; ch < u.ng * (NQ_GROUP_SIZE / 8); ch += kThreads) {
         const int k8 = u.g0 * (NQ_GROUP_SIZE / 8) + ch;
-        const uint4 gv = __ldcg(reinterpret_cast<const uint4*>(act) + k8);
-        const uint4 uv = __ldcg(reinterpret_cast<const uint4*>(act + K) + k8);
-        const half* gh = reinterpret_cast<const half*>(&gv);
-        const half* uh = reinterpret_cast<const half*>(&uv);
-        uint4 av;
-        half* ah = reinterpret_cast<half*>(&av);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ah[i] = __float2half_rn(nq::silu_mul(gh[i], uh[i]));
-        *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(ch)) = av;
+        *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(ch)) =
+            nq::swiglu8(__ldcg(reinterpret_cast<const uint4*>(act) + k8), __ldcg(reinterpret_cast<const uint4*>(act + K) + k8));
       }
     }
   }
@@ -728,18 +703,6 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
 // [/pd-attention]
 
 // ---- head: final norm, lm_head, argmax, bookkeeping ---------------------------------------
-__device__ __forceinline__ uint4 ldg_stream16(const uint4* p) { return nq::ldg_stream(p); }
-__device__ __forceinline__ float dot8(float acc, const uint4& w, const float4& xa, const float4& xb) {
-  const half2* h = reinterpret_cast<const half2*>(&w);
-  const float2 w0 = __half22float2(h[0]), w1 = __half22float2(h[1]);
-  const float2 w2 = __half22float2(h[2]), w3 = __half22float2(h[3]);
-  acc = fmaf(w0.x, xa.x, acc); acc = fmaf(w0.y, xa.y, acc);
-  acc = fmaf(w1.x, xa.z, acc); acc = fmaf(w1.y, xa.w, acc);
-  acc = fmaf(w2.x, xb.x, acc); acc = fmaf(w2.y, xb.y, acc);
-  acc = fmaf(w3.x, xb.z, acc); acc = fmaf(w3.y, xb.w, acc);
-  return acc;
-}
-
 __device__ void head(Ctx& c, int idx, int num_layers, unsigned char* smem, float* red) {
   begin_instruction(c);
   const half* W = ptr<const half>(c.tab, T_LM_HEAD);
@@ -779,14 +742,14 @@ __device__ void head(Ctx& c, int idx, int num_layers, unsigned char* smem, float
       for (int k = 0; k < kLmUnroll; ++k)
 #pragma unroll
         for (int r = 0; r < kLmRows; ++r)
-          if (c0 + 32 * k < chunks) wv[k][r] = ldg_stream16(rows[r] + c0 + 32 * k);
+          if (c0 + 32 * k < chunks) wv[k][r] = nq::ldg_stream(rows[r] + c0 + 32 * k);
 #pragma unroll
       for (int k = 0; k < kLmUnroll; ++k) {
         const int ch = c0 + 32 * k;
         if (ch < chunks) {
           const float4 xa = xs4[2 * ch], xb = xs4[2 * ch + 1];
 #pragma unroll
-          for (int r = 0; r < kLmRows; ++r) acc[r] = dot8(acc[r], wv[k][r], xa, xb);
+          for (int r = 0; r < kLmRows; ++r) acc[r] = nq::dot8(acc[r], wv[k][r], xa, xb);
         }
       }
     }

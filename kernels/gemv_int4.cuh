@@ -305,6 +305,16 @@ __device__ __forceinline__ float silu_mul(half g, half u) {
   const float gf = __half2float(g);
   return __fdividef(gf, 1.0f + expf(fminf(-gf, 88.0f))) * __half2float(u);
 }
+// act = fp16(silu(g) * u) for one chunk of 8 (g and u: the same 8 k of gate and up).
+__device__ __forceinline__ uint4 swiglu8(const uint4& gv, const uint4& uv) {
+  const half* gh = reinterpret_cast<const half*>(&gv);
+  const half* uh = reinterpret_cast<const half*>(&uv);
+  uint4 av;
+  half* ah = reinterpret_cast<half*>(&av);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ah[i] = __float2half_rn(silu_mul(gh[i], uh[i]));
+  return av;
+}
 
 // SwiGLU: act = fp16(silu(g) * u) for the CTA's range, g = gate_up[k], u = gate_up[K + k].
 template <class Threads>
@@ -312,16 +322,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
                                              const Geometry& q, const Threads& th) {
   const uint4* gsrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.gs * NQ_GROUP_SIZE);
   const uint4* usrc = reinterpret_cast<const uint4*>(gate_up + (size_t)q.K + (size_t)q.gs * NQ_GROUP_SIZE);
-  auto act = [&](int c) {
-    const uint4 gv = gsrc[c], uv = usrc[c];
-    const half* gh = reinterpret_cast<const half*>(&gv);
-    const half* uh = reinterpret_cast<const half*>(&uv);
-    uint4 av;
-    half* ah = reinterpret_cast<half*>(&av);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ah[i] = __float2half_rn(silu_mul(gh[i], uh[i]));
-    return av;
-  };
+  auto act = [&](int c) { return swiglu8(gsrc[c], usrc[c]); };
 #if NQ_GEMV_FOLD
   stage_fold(xs, q, act, th);   // the sums are of the fp16-rounded act, the values the MMA reads
 #else

@@ -11,6 +11,7 @@
 // Tuned for V = 152064, H = 3584 (1.09 GB); H must be a multiple of 8.
 #include "common.cuh"
 #include "argmax.cuh"
+#include "rowops.cuh"   // dot8
 
 #ifndef NQ_LMHEAD_WARPS
 #error "NQ_LMHEAD_WARPS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -37,17 +38,6 @@ __device__ __forceinline__ uint4 ldg_stream16(const uint4* p) {
   return v;
 }
 
-// acc += dot(8 fp16 weights, 8 fp32 activations)
-__device__ __forceinline__ float dot8(float acc, const uint4& w, const float4& xa, const float4& xb) {
-  const half2* h = reinterpret_cast<const half2*>(&w);
-  const float2 w0 = __half22float2(h[0]), w1 = __half22float2(h[1]);
-  const float2 w2 = __half22float2(h[2]), w3 = __half22float2(h[3]);
-  acc = fmaf(w0.x, xa.x, acc); acc = fmaf(w0.y, xa.y, acc);
-  acc = fmaf(w1.x, xa.z, acc); acc = fmaf(w1.y, xa.w, acc);
-  acc = fmaf(w2.x, xb.x, acc); acc = fmaf(w2.y, xb.y, acc);
-  acc = fmaf(w3.x, xb.z, acc); acc = fmaf(w3.y, xb.w, acc);
-  return acc;
-}
 }  // namespace nq
 
 // x fp16 [H], W fp16 [V, H], logits fp32 [V]. grid: any (persistent); block 32*WARPS;

@@ -18,11 +18,21 @@ def rng():
 def _release_gpu_memory():
     """After each test, the device memory its dropped engines held goes back to the driver
     (CuPy's pool would keep it): with `-n 4` several workers share one GPU, and a persistent
-    7B engine holds two copies of its weights. Nothing happens where CuPy was never imported."""
+    7B engine holds two copies of its weights. Nothing happens without CuPy or without a GPU."""
     yield
-    if "cupy" in sys.modules:
+    if "cupy" in sys.modules and _have_gpu():
         gc.collect()
         sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
+
+
+_GPU = []
+
+
+def _have_gpu() -> bool:
+    if not _GPU:
+        from nanoqwen_lib.gpu.cuda_build import have_gpu
+        _GPU.append(have_gpu())
+    return _GPU[0]
 
 
 # ---- the cheap GPU loop: `pytest -m "gpu and quick"` --------------------------------------

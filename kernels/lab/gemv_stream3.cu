@@ -62,14 +62,7 @@ __device__ __forceinline__ void stage_swiglu(unsigned char* xs, const half* __re
   const uint4* usrc = reinterpret_cast<const uint4*>(gate_up + (size_t)K + (size_t)gs * NQ_GROUP_SIZE);
   uint4* dst = reinterpret_cast<uint4*>(xs);
   for (int c = threadIdx.x; c < ng * (NQ_GROUP_SIZE / 8); c += kThreads) {
-    const uint4 gv = gsrc[c], uv = usrc[c];
-    const half* gh = reinterpret_cast<const half*>(&gv);
-    const half* uh = reinterpret_cast<const half*>(&uv);
-    uint4 av;
-    half* ah = reinterpret_cast<half*>(&av);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ah[i] = __float2half_rn(nq::silu_mul(gh[i], uh[i]));
-    dst[c + c / 4] = av;
+    dst[c + c / 4] = nq::swiglu8(gsrc[c], usrc[c]);
   }
 }
 
