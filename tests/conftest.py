@@ -54,9 +54,9 @@ QUICK = {
     "tests/test_gpu_fp8.py::test_gemv_fp8[130x2432]": "nq_gemv_fp8",
     "tests/test_gpu_fp8.py::test_quantize_rows_bit_exact[37-3584]": "nq_quantize_rows_fp8",
     "tests/test_gpu_fp8.py::test_gemm_fp8[130-896-17-mma_sync]": "nq_gemm_fp8",
-    "tests/test_gpu_engine.py::test_greedy_tokens_match_reference_tiny_pipeline":
+    "tests/test_gpu_engine.py::test_greedy_tokens_match_reference_tiny_pipeline[tiny-graph]":
         "nq_step_begin / nq_step_end and the INT4 engine's kernel-per-op decode step, end to end",
-    "tests/test_gpu_persistent.py::test_persistent_greedy_tokens_match_reference_tiny[tiny]":
+    "tests/test_gpu_engine.py::test_greedy_tokens_match_reference_tiny_pipeline[tiny-persistent]":
         "nq_decode_persistent (the default decode step), end to end",
 }
 

@@ -126,3 +126,20 @@ def check_prefill(nq_file, refm, n, seed, layers, max_tokens):
     assert rel < logit_bound, f"logits relative error {rel:.2e}, bound {logit_bound:.2e}"
     assert first == best or gap < load().validation.near_tie_logit_gap, (first, best, gap)
     assert int(eng.arena["s.generated"][n - 1].get()) == first
+
+
+def prompt_ids(rng, n, vocab=151643) -> list[int]:
+    """n random ids of the BPE range (no special tokens)."""
+    return rng.integers(0, vocab, n).tolist()
+
+
+def greedy_agreement_of(nq_file, prompts, new_tokens, decode: str, max_tokens=4096):
+    """validate.greedy_agreement of a fresh engine with the given decode step against the
+    reference on CuPy."""
+    import cupy as cp
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.model.reference import ReferenceModel
+    from nanoqwen_lib.measure.validate import greedy_agreement
+    gpu = GpuBackend(nq_file, max_tokens=max_tokens, decode=decode)
+    refm = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
+    return greedy_agreement(gpu, refm, prompts, new_tokens)

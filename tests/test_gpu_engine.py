@@ -1,6 +1,6 @@
-"""The ladder's layer and model rungs on the GPU (marked gpu; skipped without one), on the
-kernel-per-op decode step (decode="graph", the baseline the persistent step is measured
-against; tests/test_gpu_persistent.py runs the same rungs on the persistent step).
+"""The ladder's layer and model rungs on the GPU (marked gpu; skipped without one), on both
+decode steps: "graph" (a kernel per op, the baseline) and "persistent" (one kernel a token,
+the default; what only it needs is in tests/test_gpu_persistent.py).
 
 layer: one decoder block of the GPU engine against reference.decoder_layer_decode on the
        7B's shapes, given the same input and the same cached K/V (read back from the pages).
@@ -14,7 +14,7 @@ import pytest
 
 from nanoqwen_lib.gpu.cuda_build import have_gpu
 
-from .gpu_cases import check_decode_layer, check_prefill
+from .gpu_cases import check_decode_layer, greedy_agreement_of, prompt_ids, check_prefill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs a CUDA GPU")]
 
@@ -26,64 +26,58 @@ def file_7b():
     return NanoqwenFile.open(packed_synthetic_direct("7b", seed=0), verify_payload=False)
 
 
-@pytest.fixture(scope="module")
-def engine_7b(file_7b):
+DECODES = ("graph", "persistent")
+
+
+@pytest.fixture(scope="module", params=DECODES)
+def engine_7b(file_7b, request):
     from nanoqwen_lib.gpu.engine import GpuBackend
-    return GpuBackend(file_7b, max_tokens=4096, decode="graph")
+    return GpuBackend(file_7b, max_tokens=4096, decode=request.param)
 
-
-def _prompt(rng, n, vocab=151643):
-    return rng.integers(0, vocab, n).tolist()
 
 
 @pytest.mark.parametrize("layer", [0, 27])
 def test_decoder_layer_matches_reference_7b(file_7b, engine_7b, layer):
     rng = np.random.default_rng(100 + layer)
-    eng = engine_7b
-    eng.prefill(_prompt(rng, 37), physical_pages=rng.permutation(eng.pages))   # 2 full pages + 5
+    eng = engine_7b                                   # the layer runs alone on the engine's decode step
+    eng.prefill(prompt_ids(rng, 37), physical_pages=rng.permutation(eng.pages))   # 2 full pages + 5
     print(f"layer {layer}:", check_decode_layer(eng, file_7b, layer, int(rng.integers(0, 151643))))
 
 
-def _agreement(nq_file, prompts, new_tokens, max_tokens=4096):
-    import cupy as cp
-    from nanoqwen_lib.gpu.engine import GpuBackend
-    from nanoqwen_lib.model.reference import ReferenceModel
-    from nanoqwen_lib.measure.validate import greedy_agreement
-    gpu = GpuBackend(nq_file, max_tokens=max_tokens, decode="graph")
-    refm = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
-    return greedy_agreement(gpu, refm, prompts, new_tokens)
-
-
-def test_greedy_tokens_match_reference_7b(file_7b):
+@pytest.mark.parametrize("decode", DECODES)
+def test_greedy_tokens_match_reference_7b(file_7b, decode):
     rng = np.random.default_rng(7)
-    prompts = [_prompt(rng, n) for n in (1, 15, 16, 17, 49)]
-    a = _agreement(file_7b, prompts, 24)
-    print("7b:", a.summary())
+    prompts = [prompt_ids(rng, n) for n in (1, 15, 16, 17, 49)]
+    a = greedy_agreement_of(file_7b, prompts, 24, decode)
+    print(f"7b {decode}:", a.summary())
     assert a.passes(), a.summary()
 
 
-def test_greedy_tokens_match_reference_tiny_pipeline():
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("model", ["tiny", "tiny-hd64"])
+def test_greedy_tokens_match_reference_tiny_pipeline(model, decode):
     from nanoqwen_lib.synthetic.packed import packed_synthetic
     from nanoqwen_lib.format.weightfile import NanoqwenFile
-    f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
+    f = NanoqwenFile.open(packed_synthetic(model, seed=0))
     rng = np.random.default_rng(8)
-    prompts = [_prompt(rng, n) for n in (3, 16, 33)]
-    a = _agreement(f, prompts, 32)
-    print("tiny:", a.summary())
+    prompts = [prompt_ids(rng, n) for n in (3, 16, 33)]
+    a = greedy_agreement_of(f, prompts, 40, decode)
+    print(f"{model} {decode}:", a.summary())
     assert a.passes(), a.summary()
 
 
-@pytest.mark.parametrize("prompt_len", [15, 16, 17])
-def test_graph_replay_identical_to_eager(file_7b, prompt_len):
+@pytest.mark.parametrize("decode,prompt_len", [("graph", 15), ("graph", 16), ("graph", 17), ("persistent", 17)])
+def test_graph_replay_identical_to_eager(file_7b, decode, prompt_len):
     """Prompts that end just before, on and just after a page boundary; 130 new tokens,
-    so both graph variants (mid-page, new page) are replayed many times."""
+    so both graph variants (mid-page, new page) are replayed many times (they cross eight
+    page boundaries from any prompt: one length for the persistent step)."""
     from nanoqwen_lib.gpu.engine import GpuBackend
     rng = np.random.default_rng(prompt_len)
-    prompt = _prompt(rng, prompt_len)
+    prompt = prompt_ids(rng, prompt_len)
     perm = rng.permutation(-(-600 // 16))
     runs = {}
     for graphs in (False, True):
-        eng = GpuBackend(file_7b, max_tokens=600, graphs=graphs, decode="graph")
+        eng = GpuBackend(file_7b, max_tokens=600, graphs=graphs, decode=decode)
         first = eng.prefill(prompt, physical_pages=perm)
         ids = [first]
         for _ in range(129):
@@ -128,7 +122,7 @@ def test_tensor_core_and_token_by_token_prefill_agree_7b(file_7b):
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.model.reference import argmax_and_gap
     rng = np.random.default_rng(5)
-    prompt = _prompt(rng, 77)
+    prompt = prompt_ids(rng, 77)
     runs = {}
     for mode in ("tensor-core", "token-by-token"):
         eng = GpuBackend(file_7b, max_tokens=256, prefill=mode, decode="graph")

@@ -1,14 +1,14 @@
-"""The persistent decode step on the GPU (marked gpu; skipped without one): the ladder the
-kernel-per-op graph passes, on the one-kernel step.
+"""What only the persistent decode step needs on the GPU (marked gpu; skipped without one).
+The ladder itself (layer, greedy tokens, replay identical to eager) runs on both decode
+steps in tests/test_gpu_engine.py.
 
-layer   one decoder block run by the persistent kernel alone (layers [l, l+1)) against
-        reference.decoder_layer_decode, pages shuffled (gpu_cases.check_decode_layer)
-model   greedy tokens against the reference on the 7B, tiny (synth -> pack) and tiny-hd64
-graph   the persistent step's tokens equal the kernel-per-op graph's up to near-ties
-        (teacher-forced on the graph's tokens); its own eager launches and graph replays
-        are identical (the kernel is deterministic: fixed reduction orders)
-hang    a launch whose CTAs cannot all be resident ends with the timeout error instead of
-        hanging the device (every wait has NQ_PD_TIMEOUT_MS)
+weights  the layout-3 copies equal the file's layout-1 words and scales; a file stored in
+         layout 3 is uploaded as stored and decodes exactly as the repack
+graph    its tokens equal the kernel-per-op step's up to near-ties (teacher-forced on the
+         graph's tokens)
+timeline the diagnostic build records every instruction of every CTA
+hang     a launch whose CTAs cannot all be resident ends with the timeout error instead of
+         hanging the device (every wait has NQ_PD_TIMEOUT_MS)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 from nanoqwen_lib.gpu.cuda_build import have_gpu
 
-from .gpu_cases import check_decode_layer
+from .gpu_cases import prompt_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs a CUDA GPU")]
 
@@ -36,9 +36,6 @@ def engine_7b(file_7b):
     from nanoqwen_lib.gpu.engine import GpuBackend
     return GpuBackend(file_7b, max_tokens=4096, decode="persistent")
 
-
-def _prompt(rng, n, vocab=151643):
-    return rng.integers(0, vocab, n).tolist()
 
 
 def test_layout3_copies_match_the_layout1_weights(file_7b, engine_7b):
@@ -75,44 +72,6 @@ def test_a_layout3_file_is_uploaded_as_stored():
     assert runs["split"] == runs["stream"]
 
 
-@pytest.mark.parametrize("layer", [0, 27])
-def test_persistent_layer_matches_reference_7b(file_7b, engine_7b, layer):
-    rng = np.random.default_rng(200 + layer)
-    eng = engine_7b
-    eng.prefill(_prompt(rng, 37), physical_pages=rng.permutation(eng.pages))   # 2 full pages + 5
-    print(f"layer {layer}:", check_decode_layer(eng, file_7b, layer, int(rng.integers(0, 151643))))
-
-
-def _agreement(nq_file, prompts, new_tokens, max_tokens=4096):
-    import cupy as cp
-    from nanoqwen_lib.gpu.engine import GpuBackend
-    from nanoqwen_lib.model.reference import ReferenceModel
-    from nanoqwen_lib.measure.validate import greedy_agreement
-    gpu = GpuBackend(nq_file, max_tokens=max_tokens, decode="persistent")
-    refm = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
-    return greedy_agreement(gpu, refm, prompts, new_tokens)
-
-
-def test_persistent_greedy_tokens_match_reference_7b(file_7b):
-    rng = np.random.default_rng(17)
-    prompts = [_prompt(rng, n) for n in (1, 15, 16, 17, 49)]
-    a = _agreement(file_7b, prompts, 24)
-    print("7b:", a.summary())
-    assert a.passes(), a.summary()
-
-
-@pytest.mark.parametrize("model", ["tiny", "tiny-hd64"])
-def test_persistent_greedy_tokens_match_reference_tiny(model):
-    from nanoqwen_lib.synthetic.packed import packed_synthetic
-    from nanoqwen_lib.format.weightfile import NanoqwenFile
-    f = NanoqwenFile.open(packed_synthetic(model, seed=0))
-    rng = np.random.default_rng(18)
-    prompts = [_prompt(rng, n) for n in (3, 16, 33)]
-    a = _agreement(f, prompts, 40)
-    print(f"{model}:", a.summary())
-    assert a.passes(), a.summary()
-
-
 def test_persistent_equals_graph_up_to_near_ties_7b(file_7b):
     """130 tokens of the kernel-per-op graph from one prompt; the persistent engine, forced
     with the same tokens, picks the graph's next token at every step, or the two are a
@@ -121,7 +80,7 @@ def test_persistent_equals_graph_up_to_near_ties_7b(file_7b):
     from nanoqwen_lib.gpu.engine import GpuBackend
     gap_max = load().validation.near_tie_logit_gap
     rng = np.random.default_rng(5)
-    prompt, perm = _prompt(rng, 17), rng.permutation(-(-600 // 16))
+    prompt, perm = prompt_ids(rng, 17), rng.permutation(-(-600 // 16))
     graph = GpuBackend(file_7b, max_tokens=600, decode="graph")
     ids = [graph.prefill(prompt, physical_pages=perm)]
     for _ in range(129):
@@ -138,25 +97,6 @@ def test_persistent_equals_graph_up_to_near_ties_7b(file_7b):
             assert gap < gap_max, f"step {i}: persistent {got}, graph {ids[i + 1]}, logit gap {gap:.3f}"
             ties += 1
     print(f"persistent vs graph: 129 steps, {ties} near-ties")
-
-
-@pytest.mark.parametrize("prompt_len", [17])
-def test_persistent_replay_identical_to_eager(file_7b, prompt_len):
-    """130 tokens after a 17-token prompt cross eight page boundaries: both graph variants
-    (mid-page, new page) are replayed many times."""
-    from nanoqwen_lib.gpu.engine import GpuBackend
-    rng = np.random.default_rng(prompt_len)
-    prompt = _prompt(rng, prompt_len)
-    perm = rng.permutation(-(-600 // 16))
-    runs = {}
-    for graphs in (False, True):
-        eng = GpuBackend(file_7b, max_tokens=600, graphs=graphs, decode="persistent")
-        ids = [eng.prefill(prompt, physical_pages=perm)]
-        for _ in range(129):
-            ids.append(eng.decode(ids[-1]))
-        runs[graphs] = ids
-        del eng
-    assert runs[True] == runs[False]
 
 
 def test_timeline_build_records_every_instruction():
