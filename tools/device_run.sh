@@ -29,6 +29,12 @@ for what in "$@"; do
       timeout 500 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/test_gpu_persistent.py ${k:+-k "$k"} 2>&1 \
         | tee $OUT/persistent.log | grep -E "layer|near-ties|timed out|tiny|7b:|passed|failed|Error|error" | tail -30
       echo "persistent tests: $(( $(date +%s) - t0 )) s" ;;
+    sanitize-persistent)
+      # compute-sanitizer racecheck and synccheck on the persistent kernel, tiny and tiny-hd64
+      for tool in racecheck synccheck; do for m in tiny tiny-hd64; do
+        timeout 300 compute-sanitizer --tool $tool --print-limit 20 python3 tools/sanitize_persistent.py --model $m 2>&1 \
+          | tee $OUT/sanitize-$tool-$m.log | grep -E "tokens|ERROR SUMMARY|hazard|error" | tail -3
+      done; done ;;
     bench-persistent)
       f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b'))")
       python3 -m nanoqwen_lib bench "$f" --no-verify --decode persistent --breakdown ${BENCH_ARGS:-} --json $OUT/bench-persistent.json 2>&1 \
