@@ -26,11 +26,12 @@
 //
 // [pd-prefetch]
 // Weights never depend on the token, so a CTA asks for its next weights *before* it waits:
-// at the start of an instruction it issues cp.async.bulk.prefetch.L2 for up to
-// NQ_PD_PREFETCH_KB of its share (the attention instruction, which reads no weights, for
-// o_proj's share; o_proj for gate_up's first bytes), then each warp loads its first
-// NQ_PD_RING blocks into registers, and only then spins on the counter. While the slowest
-// CTA finishes the previous instruction, DRAM keeps streaming.
+// each warp of a GEMV instruction loads its first NQ_PD_RING blocks into registers and only
+// then spins on the counter. The instructions that would leave DRAM idle ask for later ones:
+// attention (which reads a megabyte of K and V, no weights) issues its K/V reads and then
+// cp.async.bulk.prefetch.L2 of its CTA's o_proj blocks (and NQ_PD_EARLY_BLOCKS of gate_up's);
+// down prefetches the next layer's qkv share; lm_head the first NQ_PD_PREFETCH_KB of its rows.
+// While the slowest CTA finishes the previous instruction, DRAM keeps streaming.
 // [/pd-prefetch]
 //
 // [pd-gemv]
