@@ -505,6 +505,29 @@ __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc
   }
 }
 
+// The exact merge of `parts` partial softmaxes of one head h, each (acc[D], m, l) at
+// p + (i * GQA + h) * (D + 2) (the warps of a CTA, or the splits of a KV head): thread h
+// writes each part's weight 2^(m_i - M) (0 for an empty part) to wt[i][h] and the merged l
+// to lsum[h], and returns M; merged_acc then gives one output element.
+__device__ __forceinline__ float merge_weights(const float* p, int parts, int h, float (*wt)[GQA], float* lsum) {
+  float M = NQ_NEG_INF;
+  for (int i = 0; i < parts; ++i) M = fmaxf(M, p[(i * GQA + h) * (D + 2) + D]);
+  float L = 0.f;
+  for (int i = 0; i < parts; ++i) {
+    const float* q = p + (i * GQA + h) * (D + 2);
+    const float e = q[D] == NQ_NEG_INF ? 0.f : __expf(q[D] - M);
+    wt[i][h] = e;
+    L = fmaf(q[D + 1], e, L);
+  }
+  lsum[h] = L;
+  return M;
+}
+__device__ __forceinline__ float merged_acc(const float* p, int parts, int h, int d, const float (*wt)[GQA]) {
+  float v = 0.f;
+  for (int i = 0; i < parts; ++i) v = fmaf(p[(i * GQA + h) * (D + 2) + d], wt[i][h], v);
+  return v;
+}
+
 __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsigned char* smem) {
   constexpr int E = D / 32;                            // dims per lane
   begin_instruction(c);
@@ -544,7 +567,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   probe(c, layer, 6);
   float* wpart = reinterpret_cast<float*>(smem);                    // [kAttnParts][GQA][D + 2]
   half* qh = reinterpret_cast<half*>(wpart + kAttnParts * GQA * (D + 2)); // [GQA][D] roped q, fp16
-  __shared__ float wt[kWarps > kAttnSplits ? kWarps : kAttnSplits][GQA];   // merge weights
+  __shared__ float wt[kAttnParts][GQA];   // merge weights (merge_weights)
   __shared__ float lsum[GQA];
   if (live) {
     const half* qkv = ptr<const half>(c.tab, T_QKV);
@@ -620,28 +643,15 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   }
   __syncthreads();   // all threads: every warp's part is in shared memory
   probe(c, layer, 8);
-  if (live && threadIdx.x < GQA) {                     // per head: M, the warps' weights, the sum l
-    const int h = threadIdx.x;
-    float M = NQ_NEG_INF;
-    for (int w2 = 0; w2 < kWarps; ++w2) M = fmaxf(M, wpart[(w2 * GQA + h) * (D + 2) + D]);
-    float L = 0.f;
-    for (int w2 = 0; w2 < kWarps; ++w2) {
-      const float* wp = wpart + (w2 * GQA + h) * (D + 2);
-      const float e = M == NQ_NEG_INF || wp[D] == NQ_NEG_INF ? 0.f : __expf(wp[D] - M);
-      wt[w2][h] = e;
-      L = fmaf(wp[D + 1], e, L);
-    }
-    lsum[h] = L;
-    wpart[h * (D + 2) + D] = M;                        // warp 0's slot now holds the CTA's M (read below)
-  }
+  if (live && threadIdx.x < GQA)                       // per head: the warps' weights; warp 0's m slot
+    wpart[threadIdx.x * (D + 2) + D] = merge_weights(wpart, kWarps, threadIdx.x, wt, lsum);   // <- the CTA's M
   __syncthreads();   // all threads: weights known
   float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);
   half* attn = ptr<half>(c.tab, T_ATTN);
   if (live) {
     for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
       const int h = i / D, d = i % D;
-      float v = 0.f;
-      for (int w2 = 0; w2 < kWarps; ++w2) v = fmaf(wpart[(w2 * GQA + h) * (D + 2) + d], wt[w2][h], v);
+      const float v = merged_acc(wpart, kWarps, h, d, wt);
       if (splits == 1) attn[(g * GQA + h) * D + d] = __float2half_rn(v / lsum[h]);
       else __stcg(aws + h * (D + 2) + d, v);
     }
@@ -674,25 +684,11 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
         hopper::cp_async_wait<0>();
       }
       __syncthreads();   // the last CTA's threads: the splits are staged
-      if (threadIdx.x < GQA) {                         // per head: the splits' weights and the sum l
-        const int h = threadIdx.x;
-        float M = NQ_NEG_INF;
-        for (int s2 = 0; s2 < splits; ++s2) M = fmaxf(M, wpart[(s2 * GQA + h) * (D + 2) + D]);
-        float L = 0.f;
-        for (int s2 = 0; s2 < splits; ++s2) {
-          const float* p = wpart + (s2 * GQA + h) * (D + 2);
-          const float e = p[D] == NQ_NEG_INF ? 0.f : __expf(p[D] - M);   // an empty split weighs 0
-          wt[s2][h] = e;
-          L = fmaf(p[D + 1], e, L);
-        }
-        lsum[h] = L;
-      }
+      if (threadIdx.x < GQA) merge_weights(wpart, splits, threadIdx.x, wt, lsum);   // per head: the splits' weights
       __syncthreads();   // the last CTA's threads: weights known
       for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
         const int h = i / D, d = i % D;
-        float A = 0.f;
-        for (int s2 = 0; s2 < splits; ++s2) A = fmaf(wpart[(s2 * GQA + h) * (D + 2) + d], wt[s2][h], A);
-        attn[(g * GQA + h) * D + d] = __float2half_rn(A / lsum[h]);
+        attn[(g * GQA + h) * D + d] = __float2half_rn(merged_acc(wpart, splits, h, d, wt) / lsum[h]);
       }
       if (threadIdx.x == 0) ptr<int>(c.tab, T_ATTN_CNT)[g] = 0;
       probe(c, layer, 10);
