@@ -96,7 +96,9 @@ def rotating(fn, copies):
     return call
 
 
-def bench_shape(name, n, k, ceiling, l2, quick, bulk_only=False):
+def shape_inputs(name, n, k, l2, quick):
+    """One shape's weight copies (more than L2 holds), activations, epilogue arguments, the
+    bytes a call moves and the timing arguments: what every bench of a shape starts from."""
     copies, wbytes = weight_copies(n, k, l2)
     epi = EPILOGUE[name]
     x = (cp.random.standard_normal(k) * 0.5).astype(cp.float16)
@@ -104,10 +106,14 @@ def bench_shape(name, n, k, ceiling, l2, quick, bulk_only=False):
     out = cp.zeros(n, cp.float16)
     extra = cp.random.standard_normal(n).astype(cp.float16) if epi else None
     kw = {epi: (out if epi == "residual" else extra)} if epi else {}
-    io_bytes = k * 2 + n * 2 + (n * 2 if epi else 0)
-    nbytes = wbytes + io_bytes
+    nbytes = wbytes + k * 2 + n * 2 + (n * 2 if epi else 0)
     inner = len(copies) * max(1, 12 // len(copies))
     t_args = dict(warmup=3, iters=15 if quick else 30, inner=inner, graph=True)
+    return copies, wbytes, epi, x, gate_up, out, kw, nbytes, t_args
+
+
+def bench_shape(name, n, k, ceiling, l2, quick, bulk_only=False):
+    copies, wbytes, epi, x, gate_up, out, kw, nbytes, t_args = shape_inputs(name, n, k, l2, quick)
 
     def run(variant, fn, nb=nbytes, **info):
         t = timing.time_cuda(rotating(fn, copies), **t_args)
@@ -181,18 +187,9 @@ S3_KSPLITS = {"qkv": (1, 2, 4, 14), "o_proj": (1, 2, 4, 14), "gate_up": (2, 4), 
 
 def bench_s3(name, n, k, ceiling, l2, quick):
     """The engine's tuned tiles GEMV, then the layout-3 variants, on the same weights."""
-    copies, wbytes = weight_copies(n, k, l2)
-    s3_copies = [(cp.asarray(stream_layout.to_stream(qw.get(), sc.get())), None) for qw, sc in copies]
+    copies, wbytes, epi, x, gate_up, out, kw, nbytes, t_args = shape_inputs(name, n, k, l2, quick)
+    s3_copies = [(stream_layout.to_stream(qw, sc), None) for qw, sc in copies]     # repacked on the GPU
     assert s3_copies[0][0].size == wbytes, (s3_copies[0][0].size, wbytes)   # 7B shapes: no padding rows
-    epi = EPILOGUE[name]
-    x = (cp.random.standard_normal(k) * 0.5).astype(cp.float16)
-    gate_up = (cp.random.standard_normal(2 * k)).astype(cp.float16)
-    out = cp.zeros(n, cp.float16)
-    extra = cp.random.standard_normal(n).astype(cp.float16) if epi else None
-    kw = {epi: (out if epi == "residual" else extra)} if epi else {}
-    nbytes = wbytes + k * 2 + n * 2 + (n * 2 if epi else 0)
-    inner = len(copies) * max(1, 12 // len(copies))
-    t_args = dict(warmup=3, iters=15 if quick else 30, inner=inner, graph=True)
 
     def run(variant, fn, cps, nb=nbytes, **info):
         record(name, variant, timing.time_cuda(rotating(fn, cps), **t_args), nb, ceiling, **info)
