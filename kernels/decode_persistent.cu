@@ -50,7 +50,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -66,6 +66,9 @@
 #endif
 #ifndef NQ_PD_RING
 #error "NQ_PD_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_SMEM_RING
+#error "NQ_PD_SMEM_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_EARLY_BLOCKS
 #error "NQ_PD_EARLY_BLOCKS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -99,6 +102,7 @@ namespace pd {
 constexpr int kWarps = NQ_PD_WARPS;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRing = NQ_PD_RING;
+constexpr bool kSmemRing = NQ_PD_SMEM_RING != 0;   // the ring in shared memory (cp.async), else registers
 constexpr bool kFold = NQ_PD_FOLD != 0;
 constexpr int kKmax = NQ_PD_KMAX;
 // A unit's rows: one thread each in the epilogue (config.persistent_plan keeps 16 x tiles <= threads).
@@ -146,8 +150,11 @@ __host__ __device__ constexpr int x_bytes(Gemv m) { return ceil_div(m.K / NQ_GRO
 // attention: the warps' (or, in the last split, the splits') partials, then the roped q
 constexpr int kAttnParts = kWarps > kAttnSplits ? kWarps : kAttnSplits;
 constexpr int kAttnSmem = (kAttnParts * GQA * (D + 2) + GQA * D) * 4;
-constexpr int kSmemBytes = max2(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))),
-                                max2(kAttnSmem, H * 4));
+constexpr int kStageBytes = ceil_div(max2(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))),
+                                           max2(kAttnSmem, H * 4)), 16) * 16;
+// ... then, with NQ_PD_SMEM_RING, each warp's ring of kRing blocks behind it.
+constexpr int kRingBytes = kSmemRing ? kRing * kWarps * nqs3::kBlockBytes : 0;
+constexpr int kSmemBytes = kStageBytes + kRingBytes;
 
 __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
@@ -329,7 +336,12 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   if (kEpi == EP_BIAS && row_live(my_row)) sepi[threadIdx.x] = __half2float(__ldg(bias + my_row));
   // The warp's first kRing blocks fly before the wait. The load cursor: lp (bytes) and lg, its
   // group within the tile (KS > 1: a tile's slice ends before the matrix's row of groups does).
-  nqs3::Slot r[kRing];
+  // The ring: kRing register slots, or (kSmemRing) kRing slots of the warp's shared-memory
+  // ring filled by cp.async and one register slot they are read into. Every pass commits one
+  // cp.async group (empty when nothing is left to load), so "block b has landed" is always
+  // cp.async.wait_group kRing - 1.
+  nqs3::Slot r[kSmemRing ? 1 : kRing];
+  unsigned char* ring = xs + kStageBytes + warp * kRing * nqs3::kBlockBytes;
   const int ng = max(u.ng, 1);
   const unsigned char* lp = w + ((size_t)(u.t0 + b0 / ng) * G + u.g0 + b0 % ng) * nqs3::kBlockBytes;
   int lg = b0 % ng;
@@ -338,11 +350,14 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     if (++lg == ng) { lg = 0; lp += (size_t)(G - ng) * nqs3::kBlockBytes; }
   };
 #pragma unroll
-  for (int i = 0; i < kRing; ++i)
+  for (int i = 0; i < kRing; ++i) {
     if (b0 + i < b1) {
-      nqs3::load_slot(r[i], lp, lane);
+      if (kSmemRing) nqs3::copy_slot(ring + i * nqs3::kBlockBytes, lp, lane);
+      else nqs3::load_slot(r[i], lp, lane);
       next_load();
     }
+    if (kSmemRing) hopper::cp_async_commit();
+  }
   if (kind == K_QKV) probe(c, layer, 0);
   wait_inputs(c);
   if (kind == K_QKV) probe(c, layer, 1);
@@ -385,8 +400,18 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     // One block: multiply slot i, refill it (when `load`), and at a tile's end store the rows'
     // sums (every lane of a row's quad holds the same sum and stores it: no divergence).
     auto step = [&](int i, bool load) {
-      nqs3::group<kFold>(acc0, acc1, r[i], xl);
-      if (load) { nqs3::load_slot(r[i], lp, lane); next_load(); }
+      if (kSmemRing) {                                   // slot i has landed: into registers
+        hopper::cp_async_wait<kRing - 1>();
+        __syncwarp();                                    // the other lanes' copies too (scales)
+        nqs3::read_slot(r[0], ring + i * nqs3::kBlockBytes, lane);
+        nqs3::group<kFold>(acc0, acc1, r[0], xl);
+        __syncwarp();                                    // every lane has read slot i
+        if (load) { nqs3::copy_slot(ring + i * nqs3::kBlockBytes, lp, lane); next_load(); }
+        hopper::cp_async_commit();
+      } else {
+        nqs3::group<kFold>(acc0, acc1, r[kSmemRing ? 0 : i], xl);
+        if (load) { nqs3::load_slot(r[kSmemRing ? 0 : i], lp, lane); next_load(); }
+      }
       xl += nqs3::kXGroupBytes;
       if (++cg == ng) {                                  // warp-uniform
         const int s = min(ct - ft, kKmax - 1);           // (the plan keeps ct - ft < kKmax)

@@ -47,6 +47,24 @@ __device__ __forceinline__ void load_slot(Slot& r, const unsigned char* blk, int
 }
 // [/s3-load]
 
+// [s3-copy]
+// The same block through a ring in shared memory instead of registers (the persistent
+// kernel's NQ_PD_SMEM_RING): the warp's 32 lanes copy its 1056 bytes with 16-byte cp.async
+// (L2 only, no register held while it flies; lanes 0 and 1 also take the 32 bytes of
+// scales), and after cp.async.wait_group and a __syncwarp every lane reads back exactly what
+// load_slot would have put in its registers.
+__device__ __forceinline__ void copy_slot(unsigned char* slot, const unsigned char* blk, int lane) {
+  hopper::cp_async16(hopper::smem_u32(slot + 16 * lane), blk + 16 * lane, true);
+  hopper::cp_async16(hopper::smem_u32(slot + 512 + 16 * lane), blk + 512 + 16 * lane, true);
+  if (lane < 2) hopper::cp_async16(hopper::smem_u32(slot + kScaleOffset + 16 * lane), blk + kScaleOffset + 16 * lane, true);
+}
+__device__ __forceinline__ void read_slot(Slot& r, const unsigned char* slot, int lane) {
+  r.lo = reinterpret_cast<const uint4*>(slot)[lane];
+  r.hi = reinterpret_cast<const uint4*>(slot + 512)[lane];
+  r.s = *reinterpret_cast<const uint32_t*>(slot + kScaleOffset + 4 * (lane >> 2));
+}
+// [/s3-copy]
+
 // [s3-group]
 // One group: the lane's 4 words of each of its 2 rows -> 8 mma.sync (two per word pair), in two independent
 // accumulator chains (even and odd words), then W = code * scale: one FFMA per row.

@@ -2,11 +2,12 @@
 (extra -D knobs of nanoqwen.yaml tuning decode_persistent) replaces the engine's step, the
 prompt is prefilled again, and STEPS steps are timed with CUDA events between launches
 (median ms), its tokens compared with the first variant's; then one token's timeline of the
-fastest variant, against each instruction's byte floor.
+fastest variant (with --timelines: of every variant, one line each), against each
+instruction's byte floor.
 
-    python tools/bench_persistent.py [--model 7b] [--steps 64] [--variants 'A=1,B=2;C=3'] [--json out.json]
+    python tools/bench_persistent.py [--model 7b] [--steps 64] [--variants 'A=1,B=2;C=3'] [--timelines] [--json out.json]
 
-The default variants are the ones PERFLOG.md's persistent rows were measured with.
+The default variants are the ones PERFLOG.md's latest persistent rows were measured with.
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DEFAULT = ";".join([
     "",                                        # nanoqwen.yaml's knobs
-    "NQ_PD_EARLY_BLOCKS=8",                    # gate_up's first blocks prefetched during attention
-    "NQ_PD_RING=4",
-    "NQ_PD_RING=2",
-    "NQ_PD_ATTN_SPLITS=8",
-    "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16",
+    "NQ_PD_SMEM_RING=0,NQ_PD_RING=2",          # the register ring
+    "NQ_PD_SMEM_RING=1,NQ_PD_RING=3",          # the shared-memory ring, 3 to 8 blocks a warp
+    "NQ_PD_SMEM_RING=1,NQ_PD_RING=4",
+    "NQ_PD_SMEM_RING=1,NQ_PD_RING=6",
+    "NQ_PD_SMEM_RING=1,NQ_PD_RING=8",
 ])
 
 
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--variants", default=DEFAULT)
     ap.add_argument("--probe", type=int, default=0,
                     help="also: layer whose qkv and attention stamp their steps (NQ_PD_PROBE build), printed per point")
+    ap.add_argument("--timelines", action="store_true", help="a timeline of every variant, one line each")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     import cupy as cp
@@ -105,6 +107,10 @@ def main() -> int:
         rows.append({"variant": v, "ms": ms, "same_tokens": same, "regs": eng.pd.kernel.num_regs})
         print(f"{str(v):60s} {ms:.4f} ms  tokens same as first: {same}/{len(toks)}  regs {eng.pd.kernel.num_regs}",
               flush=True)
+        if a.timelines:
+            kinds = timeline_token(eng, prompt, steps=4)["summary"]["kinds"]
+            rows[-1]["exposed_ms"] = {k: r["exposed_ns"] / 1e6 for k, r in kinds.items()}
+            print("    exposed ms: " + "  ".join(f"{k} {r['exposed_ns'] / 1e6:.3f}" for k, r in kinds.items()), flush=True)
         if best is None or ms < best[1]:
             best = (v, ms)
     print(f"fastest: {best[0]} {best[1]:.4f} ms", flush=True)

@@ -15,7 +15,7 @@ import numpy as np
 from nanoqwen_lib.config import ModelDims, load, persistent_plan
 from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.format.layout import decode_gemv_shapes
-from nanoqwen_lib.format.stream_layout import stream_bytes
+from nanoqwen_lib.format.stream_layout import BLOCK_BYTES, stream_bytes
 
 KERNEL = "decode_persistent"
 TUNING = load().tuning[KERNEL].defines
@@ -41,7 +41,9 @@ def instructions(num_layers: int) -> int:
 
 def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     """Dynamic shared memory of the kernel (its kSmemBytes): the largest staging of any
-    instruction. The kernel refuses a launch with less (scalars[error] = 4)."""
+    instruction (kStageBytes, rounded to 16 bytes), then, with NQ_PD_SMEM_RING, every warp's
+    ring of NQ_PD_RING layout-3 blocks. The kernel refuses a launch with less
+    (scalars[error] = 4)."""
     t = dict(TUNING, **(defines or {}))
     gqa = dims.num_heads // dims.num_kv_heads
     group, xgroup = load().format.group_size, 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]
@@ -49,7 +51,9 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
             for m, k in (("QKV", dims.hidden), ("O", dims.q_dim), ("GU", dims.hidden), ("DOWN", dims.intermediate)))
     parts = max(t["NQ_PD_WARPS"], t["NQ_PD_ATTN_SPLITS"])      # the warps' or the splits' partials
     attn = (parts * gqa * (dims.head_dim + 2) + gqa * dims.head_dim) * 4
-    return max(x, attn, dims.hidden * 4)
+    stage = -(-max(x, attn, dims.hidden * 4) // 16) * 16
+    ring = t["NQ_PD_RING"] * t["NQ_PD_WARPS"] * BLOCK_BYTES if t["NQ_PD_SMEM_RING"] else 0
+    return stage + ring
 
 
 def layer_stream_slots(dims: ModelDims) -> dict[str, int]:
@@ -75,7 +79,8 @@ class PersistentStep:
         dev = cp.cuda.Device()
         self.grid = dev.attributes["MultiProcessorCount"]
         self.plan = persistent_plan(dims, self.grid)
-        self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **(defines or {}))
+        self.extra = dict(defines or {})               # the knobs this build overrides (a diagnostic build keeps them)
+        self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **self.extra)
         self.timeline_on = timeline
         self.kernel = load_module(KERNEL, dims, self.defines).get_function("nq_decode_persistent")
         t = dict(TUNING, **self.defines)

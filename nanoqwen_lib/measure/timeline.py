@@ -305,11 +305,11 @@ def timeline_token(engine, prompt: list[int], steps: int = 8, keep_events: bool 
     """One token of the persistent kernel's diagnostic build (its timeline records), run on
     the engine's own arena after `prompt` and `steps` - 1 untimed steps: the summary against
     each kind's floor at the read ceiling measured now, and with keep_events the event rows
-    (plot_timeline's input). The engine's sequence is left where this ends (bench's next
-    prefill resets it)."""
+    (plot_timeline's input). The diagnostic build keeps the knobs the engine's step was built
+    with. The engine's sequence is left where this ends (bench's next prefill resets it)."""
     from nanoqwen_lib.gpu.persistent import PersistentStep
     from nanoqwen_lib.measure.timing import measure_read_ceiling
-    diag = PersistentStep(engine, timeline=True)
+    diag = PersistentStep(engine, timeline=True, defines=engine.pd.extra)
     saved, engine.pd = engine.pd, diag
     try:
         engine.prefill_enqueue(prompt)
