@@ -70,6 +70,9 @@
 #ifndef NQ_PD_SMEM_RING
 #error "NQ_PD_SMEM_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
+#ifndef NQ_PD_ATTN_PREFETCH
+#error "NQ_PD_ATTN_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
 #ifndef NQ_PD_EARLY_BLOCKS
 #error "NQ_PD_EARLY_BLOCKS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -149,7 +152,7 @@ __host__ __device__ constexpr int x_bytes(Gemv m) { return ceil_div(m.K / NQ_GRO
 // computes the same; the kernel checks %dynamic_smem_size at entry).
 // attention: the warps' (or, in the last split, the splits') partials, then the roped q
 constexpr int kAttnParts = kWarps > kAttnSplits ? kWarps : kAttnSplits;
-constexpr int kAttnSmem = (kAttnParts * GQA * (D + 2) + GQA * D) * 4;
+constexpr int kAttnSmem = kAttnParts * GQA * (D + 2) * 4 + (GQA + 2) * D * 2;   // ... + q, k, v fp16
 constexpr int kStageBytes = ceil_div(max2(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))),
                                            max2(kAttnSmem, H * 4)), 16) * 16;
 // ... then, with NQ_PD_SMEM_RING, each warp's ring of kRing blocks behind it.
@@ -303,6 +306,7 @@ __device__ __forceinline__ void prefetch_warp(const unsigned char* w, int from, 
 // gate_up's while attention runs (no weights of its own); the next layer's qkv share while
 // down runs.
 __device__ __forceinline__ void prefetch_during_attention(Ctx& c) {
+  if (!NQ_PD_ATTN_PREFETCH) return;                      // (a variant: attention's loads alone on the bus)
   prefetch_warp<kO.N, kO.K, kO.TG, kO.KS>(ptr<const unsigned char>(c.lt, L_O), 0, 32);
   if (NQ_PD_EARLY_BLOCKS > 0)
     prefetch_warp<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(ptr<const unsigned char>(c.lt, L_GATE_UP), 0,
@@ -509,11 +513,14 @@ constexpr int kAttnPre = 3;
 static_assert(NQ_PD_ATTN_SPLITS * GQA * (D + 2) % 4 == 0, "a KV head's split partials start 16-byte aligned");
 constexpr int kPagesCached = 64;   // a split's pages kept in shared memory from the first layer on
 struct KvRow { float k[D / 32], v[D / 32]; };
+// The lane's dims of one K and V row: from the cache (through L2), or (kShared) from this
+// CTA's shared memory.
+template <bool kShared = false>
 __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc, long long off) {
   constexpr int E = D / 32;
   if (E == 4) {
-    const uint2 kv = __ldcg(reinterpret_cast<const uint2*>(kc + off));
-    const uint2 vv = __ldcg(reinterpret_cast<const uint2*>(vc + off));
+    const uint2 kv = kShared ? *reinterpret_cast<const uint2*>(kc + off) : __ldcg(reinterpret_cast<const uint2*>(kc + off));
+    const uint2 vv = kShared ? *reinterpret_cast<const uint2*>(vc + off) : __ldcg(reinterpret_cast<const uint2*>(vc + off));
     const float2 k01 = __half22float2(*reinterpret_cast<const half2*>(&kv.x));
     const float2 k23 = __half22float2(*reinterpret_cast<const half2*>(&kv.y));
     const float2 v01 = __half22float2(*reinterpret_cast<const half2*>(&vv.x));
@@ -521,8 +528,8 @@ __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc
     r.k[0] = k01.x; r.k[1] = k01.y; r.k[E - 2] = k23.x; r.k[E - 1] = k23.y;
     r.v[0] = v01.x; r.v[1] = v01.y; r.v[E - 2] = v23.x; r.v[E - 1] = v23.y;
   } else {
-    const unsigned kv = __ldcg(reinterpret_cast<const unsigned*>(kc + off));
-    const unsigned vv = __ldcg(reinterpret_cast<const unsigned*>(vc + off));
+    const unsigned kv = kShared ? *reinterpret_cast<const unsigned*>(kc + off) : __ldcg(reinterpret_cast<const unsigned*>(kc + off));
+    const unsigned vv = kShared ? *reinterpret_cast<const unsigned*>(vc + off) : __ldcg(reinterpret_cast<const unsigned*>(vc + off));
     const float2 k01 = __half22float2(*reinterpret_cast<const half2*>(&kv));
     const float2 v01 = __half22float2(*reinterpret_cast<const half2*>(&vv));
     r.k[0] = k01.x; r.k[E - 1] = k01.y;
@@ -592,6 +599,8 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   probe(c, layer, 6);
   float* wpart = reinterpret_cast<float*>(smem);                    // [kAttnParts][GQA][D + 2]
   half* qh = reinterpret_cast<half*>(wpart + kAttnParts * GQA * (D + 2)); // [GQA][D] roped q, fp16
+  half* kh = qh + GQA * D;                                          // [D] this token's roped k (last split)
+  half* vh = kh + D;                                                // [D] and v
   __shared__ float wt[kAttnParts][GQA];   // merge weights (merge_weights)
   __shared__ float lsum[GQA];
   if (live) {
@@ -602,17 +611,20 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       const int h = i / (D / 2), e = i % (D / 2);
       rope_pair(qkv + (g * GQA + h) * D, qh + h * D, e, pos, inv_freq);
     }
-    if (s == splits - 1 && threadIdx.x < D / 2) {     // this token's k (roped) and v -> its page slot
+    if (s == splits - 1 && threadIdx.x < D / 2) {     // this token's k (roped) and v -> shared memory and its page slot
       const int slot = __ldcg(c.scalars + S_SLOT * NQ_SCALAR_STRIDE);
       const int page = slot / NQ_PAGE_TOKENS, off = slot % NQ_PAGE_TOKENS;
       const long long row = ((long long)(page * KVH + g) * NQ_PAGE_TOKENS + off) * D;
-      rope_pair(qkv + Q_DIM + g * D, kc + row, threadIdx.x, pos, inv_freq);
+      const int i = threadIdx.x, i2 = threadIdx.x + D / 2;
+      rope_pair(qkv + Q_DIM + g * D, kh, i, pos, inv_freq);
       const half* v = qkv + Q_DIM + KV_DIM + g * D;
-      vc[row + threadIdx.x] = __ldcg(v + threadIdx.x);
-      vc[row + threadIdx.x + D / 2] = __ldcg(v + threadIdx.x + D / 2);
+      vh[i] = __ldcg(v + i);
+      vh[i2] = __ldcg(v + i2);
+      kc[row + i] = kh[i]; kc[row + i2] = kh[i2];     // (this thread's own shared-memory writes)
+      vc[row + i] = vh[i]; vc[row + i2] = vh[i2];
     }
   }
-  __syncthreads();   // all threads: q roped; the appended k, v stored (read below through L2)
+  __syncthreads();   // all threads: q roped; this token's k, v in shared memory (and stored to the cache)
   probe(c, layer, 7);
   if (live) {
     float q[GQA][E];
@@ -648,13 +660,14 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     for (int i = 0; i < kAttnPre; ++i) {              // the rows loaded before the wait
       const int j = j0 + warp + i * kWarps;
       if (j < j1) {
-        if (j == n - 1) load_kv(pre[i], kc, vc, row_of(j));   // this token's, appended above
+        if (j == n - 1) load_kv<true>(pre[i], kh, vh, lane * E);   // this token's, roped above
         consume(pre[i]);
       }
     }
     for (int j = j0 + warp + kAttnPre * kWarps; j < j1; j += kWarps) {
       KvRow r;
-      load_kv(r, kc, vc, row_of(j));
+      if (j == n - 1) load_kv<true>(r, kh, vh, lane * E);
+      else load_kv(r, kc, vc, row_of(j));
       consume(r);
     }
     // The CTA's warps merge: (m, l, acc) per warp to shared memory; one weight per (warp, head).

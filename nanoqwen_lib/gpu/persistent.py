@@ -50,7 +50,7 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     x = max(-(-(k // group) // plan[f"NQ_PD_{m}_KS"]) * xgroup
             for m, k in (("QKV", dims.hidden), ("O", dims.q_dim), ("GU", dims.hidden), ("DOWN", dims.intermediate)))
     parts = max(t["NQ_PD_WARPS"], t["NQ_PD_ATTN_SPLITS"])      # the warps' or the splits' partials
-    attn = (parts * gqa * (dims.head_dim + 2) + gqa * dims.head_dim) * 4
+    attn = parts * gqa * (dims.head_dim + 2) * 4 + (gqa + 2) * dims.head_dim * 2   # + q, k, v fp16
     stage = -(-max(x, attn, dims.hidden * 4) // 16) * 16
     ring = t["NQ_PD_RING"] * t["NQ_PD_WARPS"] * BLOCK_BYTES if t["NQ_PD_SMEM_RING"] else 0
     return stage + ring
