@@ -19,8 +19,8 @@
 //   lm_head  rmsnorm(x), its 1/grid of the FP16 vocabulary rows -> logits; argmax merged by
 //            the last CTA (argmax.cuh), which also writes generated[position] and moves position
 // Each instruction waits for the whole previous one: counter sync[i] counts the CTAs done
-// with instruction i (release: __threadfence, then atomicAdd by thread 0 after a CTA
-// barrier; acquire: ld.acquire.gpu by thread 0, then a CTA barrier); activations written
+// with instruction i (release by thread 0 after a CTA barrier, acquire by thread 0, then a
+// CTA barrier: [pd-fence]); activations written
 // inside the kernel are read with ld.global.cg (L2: never a stale L1 line).
 // [/pd-schedule]
 //
@@ -69,6 +69,9 @@
 #endif
 #ifndef NQ_PD_SMEM_RING
 #error "NQ_PD_SMEM_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_FENCE
+#error "NQ_PD_FENCE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_ATTN_PREFETCH
 #error "NQ_PD_ATTN_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -164,11 +167,51 @@ __device__ __forceinline__ unsigned long long now_ns() {
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+// [pd-fence]
+// The counters' memory ordering, one thread (thread 0) after a CTA barrier, in three builds
+// (NQ_PD_FENCE): 0, __threadfence (fence.sc.gpu: SASS MEMBAR.SC.GPU) before a relaxed atomic,
+// and the waiter's ld.acquire; 1, fence.acq_rel.gpu (MEMBAR.ALL.GPU) before a relaxed atomic,
+// the waiter polling relaxed and fencing once it sees the count (a release and an acquire
+// pattern of the PTX memory model); 2, the release and acquire on the operations themselves
+// (red.release, atom.acq_rel, ld.acquire).
+__device__ __forceinline__ void fence_gpu() {
+  if (NQ_PD_FENCE == 0) __threadfence();
+  else asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+// Poll (relaxed in build 1: the fence comes once, in acquired()).
+__device__ __forceinline__ unsigned ld_poll(const unsigned* p) {
   unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  if (NQ_PD_FENCE == 1) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ void acquired() {
+  if (NQ_PD_FENCE == 1) fence_gpu();
+}
+// *p += v, after this CTA's writes (release).
+__device__ __forceinline__ void release_add(unsigned* p, unsigned v) {
+  if (NQ_PD_FENCE == 2) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+  } else {
+    fence_gpu();
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+  }
+}
+// *p += 1 after this CTA's writes; true in the arrival that completes `count` (which then
+// sees every arrival's writes: acquire).
+__device__ __forceinline__ bool arrive_last(unsigned* p, unsigned count) {
+  unsigned old;
+  if (NQ_PD_FENCE == 2) {
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+    return old == count - 1;
+  }
+  fence_gpu();
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+  if (old != count - 1) return false;
+  fence_gpu();
+  return true;
+}
+// [/pd-fence]
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
@@ -202,12 +245,13 @@ __device__ __forceinline__ void wait_inputs(Ctx& c) {
   if (threadIdx.x == 0 && c.prev >= 0) {
     const unsigned long long t0 = now_ns();
     volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
-    for (int spin = 0; ld_acquire(c.sync + c.prev) < c.prev_target; ++spin) {
+    for (int spin = 0; ld_poll(c.sync + c.prev) < c.prev_target; ++spin) {
       if ((spin & 63) == 63) {
         if (*err != 0) break;                          // an earlier timeout: give up at once
         if (now_ns() - t0 > (unsigned long long)NQ_PD_TIMEOUT_MS * 1000000ull) { atomicExch((int*)err, kErrTimeout); break; }
       }
     }
+    acquired();
   }
   __syncthreads();   // all threads: the inputs of this instruction are complete
   if (NQ_PD_TIMELINE && threadIdx.x == 0) c.t_ready = now_ns();
@@ -219,8 +263,7 @@ __device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind
                                             bool arrive = true) {
   __syncthreads();   // all threads: this CTA's writes of the instruction are issued
   if (threadIdx.x == 0) {
-    __threadfence();                                   // ... and visible before the counter moves
-    if (arrive) atomicAdd(c.sync + idx, 1u);
+    if (arrive) release_add(c.sync + idx, 1u);         // ... and visible before the counter moves
 #if NQ_PD_TIMELINE
     long long* row = c.tl + 4 * c.tl_n;
     row[0] = layer * 16 + kind; row[1] = (long long)c.t_begin; row[2] = (long long)c.t_ready;
@@ -468,14 +511,10 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     __syncthreads();   // all threads: the slice is stored
     if (threadIdx.x == 0) {
       is_last = 0;
-      if (u.live) {
-        __threadfence();                                 // the slice is visible before the counter moves
-        is_last = atomicAdd(ptr<int>(c.tab, T_TILE_CNT) + u.tg, 1) == KS - 1;
-      }
+      if (u.live) is_last = arrive_last(ptr<unsigned>(c.tab, T_TILE_CNT) + u.tg, KS);   // the slice is visible first
     }
-    __syncthreads();   // all threads: is_last known
+    __syncthreads();   // all threads: is_last known (and, in the last, the other slices visible)
     if (is_last) {
-      __threadfence();
       const float* ws = ptr<float>(c.tab, T_WS);
       if (my_live) {
         float v = 0.f;
@@ -701,14 +740,10 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   if (live && splits > 1) {
     __shared__ int last;
     __syncthreads();   // all threads: this split's (m, l, acc) are stored
-    if (threadIdx.x == 0) {
-      __threadfence();
-      last = atomicAdd(ptr<int>(c.tab, T_ATTN_CNT) + g, 1) == splits - 1;
-    }
-    __syncthreads();   // all threads: last known
+    if (threadIdx.x == 0) last = arrive_last(ptr<unsigned>(c.tab, T_ATTN_CNT) + g, splits);
+    __syncthreads();   // all threads: last known (and, in the last, the other splits visible)
     probe(c, layer, 9);
     if (last) {
-      __threadfence();
       // Every split's (acc, m, l) into shared memory at once (independent coalesced loads: one
       // L2 round trip, not one per split), then the merge from there.
       const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
@@ -908,11 +943,8 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   begin_instruction(c);
   __syncthreads();   // all threads: this CTA is done
   if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(c.sync + kDone, 1u) == (unsigned)c.grid - 1) {
-      for (int i = 0; i <= kDone; ++i) c.sync[i] = 0u;
-      __threadfence();
-    }
+    if (arrive_last(c.sync + kDone, (unsigned)c.grid))
+      for (int i = 0; i <= kDone; ++i) c.sync[i] = 0u;   // (the next launch sees them: kernel boundary)
 #if NQ_PD_TIMELINE
     long long* row = c.tl + 4 * c.tl_n;
     row[0] = num_layers * 16 + K_END; row[1] = (long long)c.t_begin; row[2] = (long long)c.t_begin;
