@@ -50,7 +50,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -576,21 +576,24 @@ __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc
   }
 }
 
-// The exact merge of `parts` partial softmaxes of one head h, each (acc[D], m, l) at
-// p + (i * GQA + h) * (D + 2) (the warps of a CTA, or the splits of a KV head): thread h
-// writes each part's weight 2^(m_i - M) (0 for an empty part) to wt[i][h] and the merged l
-// to lsum[h], and returns M; merged_acc then gives one output element.
+// The exact merge of `parts` (<= 32) partial softmaxes of one head h, each (acc[D], m, l) at
+// p + (i * GQA + h) * (D + 2) (the warps of a CTA, or the splits of a KV head). One warp per
+// head, lane i for part i: the max and the sum are two 5-step shuffle trees (a fixed order),
+// not a chain over the parts. Writes each part's weight 2^(m_i - M) (0 for an empty part) to
+// wt[i][h] and the merged l to lsum[h]; returns M in every lane. merged_acc then gives one
+// output element.
+static_assert(kAttnParts <= 32 && GQA <= kWarps, "merge_weights: a lane per part, a warp per head");
 __device__ __forceinline__ float merge_weights(const float* p, int parts, int h, float (*wt)[GQA], float* lsum) {
-  float M = NQ_NEG_INF;
-  for (int i = 0; i < parts; ++i) M = fmaxf(M, p[(i * GQA + h) * (D + 2) + D]);
-  float L = 0.f;
-  for (int i = 0; i < parts; ++i) {
-    const float* q = p + (i * GQA + h) * (D + 2);
-    const float e = q[D] == NQ_NEG_INF ? 0.f : __expf(q[D] - M);
-    wt[i][h] = e;
-    L = fmaf(q[D + 1], e, L);
-  }
-  lsum[h] = L;
+  const int i = threadIdx.x & 31;
+  const float* q = p + (i * GQA + h) * (D + 2);
+  const float m = i < parts ? q[D] : NQ_NEG_INF;
+  float M = m;
+  for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  const float e = i < parts && m != NQ_NEG_INF ? __expf(m - M) : 0.f;
+  float L = i < parts ? q[D + 1] * e : 0.f;
+  for (int o = 16; o >= 1; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  if (i < parts) wt[i][h] = e;
+  if (i == 0) lsum[h] = L;
   return M;
 }
 __device__ __forceinline__ float merged_acc(const float* p, int parts, int h, int d, const float (*wt)[GQA]) {
@@ -720,8 +723,10 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   }
   __syncthreads();   // all threads: every warp's part is in shared memory
   probe(c, layer, 8);
-  if (live && threadIdx.x < GQA)                       // per head: the warps' weights; warp 0's m slot
-    wpart[threadIdx.x * (D + 2) + D] = merge_weights(wpart, kWarps, threadIdx.x, wt, lsum);   // <- the CTA's M
+  if (live && warp < GQA) {                            // warp h: head h's weights over the warps
+    const float M = merge_weights(wpart, kWarps, warp, wt, lsum);
+    if (lane == 0) wpart[warp * (D + 2) + D] = M;        // warp 0's m slot <- the CTA's M (all lanes have read)
+  }
   __syncthreads();   // all threads: weights known
   float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);
   half* attn = ptr<half>(c.tab, T_ATTN);
@@ -757,7 +762,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
         hopper::cp_async_wait<0>();
       }
       __syncthreads();   // the last CTA's threads: the splits are staged
-      if (threadIdx.x < GQA) merge_weights(wpart, splits, threadIdx.x, wt, lsum);   // per head: the splits' weights
+      if (warp < GQA) merge_weights(wpart, splits, warp, wt, lsum);   // warp h: head h's weights over the splits
       __syncthreads();   // the last CTA's threads: weights known
       for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
         const int h = i / D, d = i % D;
