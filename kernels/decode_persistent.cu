@@ -130,7 +130,7 @@ static_assert(H % 8 == 0, "rows of 16-byte chunks");
 enum Tab {
   T_EMBED, T_NORM, T_LM_HEAD, T_LOGITS, T_SCALARS, T_BLOCK_TABLE, T_FREE_PAGES, T_GENERATED,
   T_X, T_QKV, T_ATTN, T_GATE_UP, T_SYNC, T_WS, T_TILE_CNT, T_ATTN_WS, T_ATTN_CNT,
-  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_PROBE, T_GLOBALS
+  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_PROBE, T_GRID, T_GLOBALS
 };
 enum LayerTab { L_QKV, L_O, L_GATE_UP, L_DOWN, L_LN1, L_LN2, L_QKV_BIAS, L_K, L_V, L_FIELDS };
 constexpr int kLayerBase = 32, kLayerStride = 16;
@@ -882,7 +882,9 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   c.t_begin = c.t_ready = 0;
   unsigned dyn;
   asm("mov.u32 %0, %dynamic_smem_size;" : "=r"(dyn));
-  if (dyn < (unsigned)kSmemBytes) {                  // launched with too little: refuse, loudly
+  // Launched with too little shared memory, or with another grid than the one the plan and
+  // the per-CTA buffers (argmax parts, timeline) were sized for (tab[T_GRID]): refuse, loudly.
+  if (dyn < (unsigned)kSmemBytes || (long long)gridDim.x != tab[T_GRID]) {
     if (threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 4);
     return;
   }

@@ -117,24 +117,31 @@ def test_timeline_build_records_every_instruction():
     assert s["total_ns"] > 0
 
 
+def _launch(pd, grid, dims):
+    pd.kernel((grid,), (pd.threads,),
+              (pd.tab, np.int32(0), np.int32(dims.num_layers), np.int32(dims.num_layers), np.int32(3),
+               np.int32(0), np.float32(dims.rms_eps)), shared_mem=pd.smem)
+
+
 def test_unresident_grid_times_out_instead_of_hanging():
-    """Four CTAs per SM cannot all be resident (one fills an SM's registers): the resident
-    ones wait for the rest, time out, and the launch ends with error 3, which the engine
-    raises; the counters are reset and the engine decodes again."""
+    """A step planned for four CTAs per SM (its buffers sized for them) cannot have them all
+    resident (one fills an SM's registers): the resident ones wait for the rest, time out,
+    and the launch ends with error 3, which the engine raises; the counters are reset and the
+    engine decodes again."""
     import cupy as cp
     from nanoqwen_lib.synthetic.packed import packed_synthetic
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.gpu.persistent import PersistentStep
     from nanoqwen_lib.errors import LimitError
     f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
     eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False)
     first = eng.prefill([1, 2, 3])
-    pd = eng.pd
+    own = eng.pd
+    starved = PersistentStep(eng, grid=4 * own.grid)
     t0 = time.monotonic()
     with eng.stream:
-        pd.kernel((4 * pd.grid,), (pd.threads,),
-                  (pd.tab, np.int32(0), np.int32(f.dims.num_layers), np.int32(f.dims.num_layers), np.int32(3),
-                   np.int32(0), np.float32(f.dims.rms_eps)), shared_mem=pd.smem)
+        _launch(starved, starved.grid, f.dims)
     eng.stream.synchronize()
     took = time.monotonic() - t0
     assert int(eng.scalar["error"].get()[0]) == 3
@@ -146,3 +153,28 @@ def test_unresident_grid_times_out_instead_of_hanging():
     cp.cuda.Device().synchronize()
     assert eng.prefill([1, 2, 3]) == first
     eng.decode(first)
+
+
+def test_launch_with_another_grid_is_refused():
+    """The kernel refuses a grid its buffers were not sized for (error 4) before it touches
+    anything: no CTA writes past the per-CTA argmax parts."""
+    import cupy as cp
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.errors import LimitError
+    f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
+    eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False)
+    first = eng.prefill([1, 2, 3])
+    pd = eng.pd
+    with eng.stream:
+        pd.buf["ARG_VAL"].fill(7.0)
+        _launch(pd, 2 * pd.grid, f.dims)
+    eng.stream.synchronize()
+    assert int(eng.scalar["error"].get()[0]) == 4
+    assert bool((pd.buf["ARG_VAL"] == 7.0).all())            # no CTA got as far as the argmax
+    with pytest.raises(LimitError, match="another grid"):
+        eng.token_at(eng.position)
+    eng.scalar["error"].fill(0)
+    cp.cuda.Device().synchronize()
+    assert eng.prefill([1, 2, 3]) == first

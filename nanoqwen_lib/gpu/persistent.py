@@ -22,7 +22,7 @@ TUNING = load().tuning[KERNEL].defines
 # The pointer table's order (decode_persistent.cu enum Tab and enum LayerTab, same names).
 TAB_GLOBALS = ("EMBED", "NORM", "LM_HEAD", "LOGITS", "SCALARS", "BLOCK_TABLE", "FREE_PAGES", "GENERATED",
                "X", "QKV", "ATTN", "GATE_UP", "SYNC", "WS", "TILE_CNT", "ATTN_WS", "ATTN_CNT",
-               "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES", "PROBE")
+               "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES", "PROBE", "GRID")
 TAB_LAYER = ("QKV", "O", "GATE_UP", "DOWN", "LN1", "LN2", "QKV_BIAS", "K", "V")
 LAYER_BASE, LAYER_STRIDE = 32, 16
 MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, in order
@@ -30,7 +30,8 @@ MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, 
 STACKED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
            "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 F_BEGIN, F_HEAD = 1, 2
-ERRORS = {3: "a dependency wait timed out (NQ_PD_TIMEOUT_MS)", 4: "launched with too little shared memory",
+ERRORS = {3: "a dependency wait timed out (NQ_PD_TIMEOUT_MS)",
+          4: "launched with too little shared memory or another grid than its buffers were sized for",
           5: "the plan broke a kernel limit (NQ_PD_KMAX tiles a warp, a row a thread)"}
 
 
@@ -71,13 +72,16 @@ def add_slots(plan, dims: ModelDims) -> None:
 class PersistentStep:
     """The kernel, its buffers and its pointer table for one engine (GpuBackend)."""
 
-    def __init__(self, eng, timeline: bool = False, defines: dict | None = None):
+    def __init__(self, eng, timeline: bool = False, defines: dict | None = None, grid: int | None = None):
+        """grid: CTAs of a launch, default one per SM. The plan and every per-CTA buffer are
+        sized for it, and the kernel refuses any other grid (error 4). More CTAs than SMs
+        cannot all be resident: the timeout test's way to starve the waits."""
         import cupy as cp
         from nanoqwen_lib.gpu.cuda_build import load_module
         self.cp, self.eng = cp, eng
         dims = self.dims = eng.dims
         dev = cp.cuda.Device()
-        self.grid = dev.attributes["MultiProcessorCount"]
+        self.grid = grid or dev.attributes["MultiProcessorCount"]
         self.plan = persistent_plan(dims, self.grid)
         self.extra = dict(defines or {})               # the knobs this build overrides (a diagnostic build keeps them)
         self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **self.extra)
@@ -112,7 +116,7 @@ class PersistentStep:
              "GATE_UP": a["a.gate_up"], "INV_FREQ": eng.attn.kernels(dims).inv_freq, **self.buf}
         tab = np.zeros(LAYER_BASE + LAYER_STRIDE * L, np.int64)
         for i, name in enumerate(TAB_GLOBALS):
-            tab[i] = eng.pages if name == "MAX_PAGES" else g[name].data.ptr
+            tab[i] = eng.pages if name == "MAX_PAGES" else self.grid if name == "GRID" else g[name].data.ptr
         for l in range(L):
             w = f"w.{l}."
             row = {"QKV": a[w + "qkv.s3"], "O": a[w + "o_proj.s3"], "GATE_UP": a[w + "gate_up.s3"],
