@@ -579,7 +579,7 @@ __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc
 // The exact merge of `parts` (<= 32) partial softmaxes of one head h, each (acc[D], m, l) at
 // p + (i * GQA + h) * (D + 2) (the warps of a CTA, or the splits of a KV head). One warp per
 // head, lane i for part i: the max and the sum are two 5-step shuffle trees (a fixed order),
-// not a chain over the parts. Writes each part's weight 2^(m_i - M) (0 for an empty part) to
+// not a chain over the parts. Writes each part's weight e^(m_i - M) (0 for an empty part) to
 // wt[i][h] and the merged l to lsum[h]; returns M in every lane. merged_acc then gives one
 // output element.
 static_assert(kAttnParts <= 32 && GQA <= kWarps, "merge_weights: a lane per part, a warp per head");
