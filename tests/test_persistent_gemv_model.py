@@ -91,3 +91,22 @@ def test_sass_gemv_loops_stream_weights_to_registers():
         per_block = sum(loop.values()) / (hmma // 8)
         print(f"GEMV loop: {sum(loop.values())} instructions, {hmma // 8} blocks, {per_block:.0f} a block")
         assert per_block < 130, per_block
+
+
+def test_sass_gemv_loops_of_the_shared_memory_ring():
+    """The NQ_PD_SMEM_RING build (PERFLOG persistent v7): per block, 8 HMMA fed from shared
+    memory, three 16-byte cp.async (two a lane, one more in lanes 0-1 for the scales) that
+    bypass L1, one commit and one wait; no weight load into registers, no local memory."""
+    if cuda_build.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (the cuda13 extra brings it)")
+    ring = 4
+    text = cuda_build.sass("decode_persistent", config.load().models["7b"], {"NQ_PD_SMEM_RING": 1, "NQ_PD_RING": ring})
+    loops = [collections.Counter(lp) for lp in cuda_build.sass_loops(text, "nq_decode_persistent")   # innermost:
+             if 0 < lp.count("HMMA.16816.F32") <= 8 * ring and "SHFL.BFLY" not in lp]     # no reduction inside
+    assert len(loops) >= 4, len(loops)
+    for loop in loops:
+        blocks = loop["HMMA.16816.F32"] // 8
+        assert loop["LDGSTS.E.BYPASS.128"] == 3 * blocks, loop
+        assert loop["LDGDEPBAR"] == blocks and loop["DEPBAR.LE"] == blocks, loop
+        assert not any(re.match(r"LDG\.E\.(NA\.)?128", k) for k in loop), loop
+        assert not any(k.startswith(("STL", "LDL", "STG")) for k in loop), loop

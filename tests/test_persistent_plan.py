@@ -80,6 +80,18 @@ def test_shared_memory_fits_an_sm(model):
     assert dims.hidden * 4 <= b <= 200 * 1024
 
 
+@pytest.mark.parametrize("ring", [3, 4, 6, 8])
+def test_shared_memory_ring_adds_its_blocks_behind_the_staging(ring):
+    """NQ_PD_SMEM_RING: every warp's ring of NQ_PD_RING 1056-byte blocks behind the largest
+    staging (rounded to 16 bytes), within the 227 KiB a CTA may opt into on sm_90."""
+    dims = load().models["7b"]
+    plan = persistent_plan(dims)
+    base = persistent.smem_bytes(dims, plan)
+    b = persistent.smem_bytes(dims, plan, {"NQ_PD_SMEM_RING": 1, "NQ_PD_RING": ring})
+    assert b - -(-base // 16) * 16 == ring * persistent.TUNING["NQ_PD_WARPS"] * 1056
+    assert b <= 227 * 1024
+
+
 def test_engine_refuses_bad_decode_modes_before_the_gpu():
     from nanoqwen_lib.gpu.engine import GpuBackend
     f = SimpleNamespace(encoding="fp8", path="model-fp8.nanoqwen")
