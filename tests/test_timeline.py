@@ -155,3 +155,31 @@ def test_plot_timeline_draws():
     ax = tl.plot_timeline(ev)                                          # its own figure
     ax.figure.canvas.draw()
     plt.close(ax.figure)
+
+
+def test_persistent_figures_from_the_committed_record():
+    """The figures chapters 4, 7, 9 and 11 quote come from chapter 10's record, consistently."""
+    from nanoqwen_lib.measure import bench
+    pd = bench.persistent_figures()
+    assert pd["speedup"] == pytest.approx(pd["graph_itl_ms"] / pd["itl_ms"])
+    assert 0 < pd["of_ceiling"] < 1 and pd["floor_ms"] < pd["itl_ms"]
+    assert all(0 < r <= 1.05 for r in pd["rate"].values()), pd["rate"]
+    assert pd["layer_floor_us"] < pd["layer_us"] < pd["itl_ms"] * 1e3 / 28
+    assert len(pd["commit"]) == 7
+
+
+def test_persistent_figures_refuse_a_record_without_a_field(tmp_path):
+    import json
+    from nanoqwen_lib.errors import NanoqwenError
+    from nanoqwen_lib.measure import bench
+    r = json.loads(bench.PERSISTENT_RECORD.read_text())
+    del r["graph_itl_ms"]
+    bad = tmp_path / "persistent.json"
+    bad.write_text(json.dumps(r))
+    with pytest.raises(NanoqwenError, match=r"persistent\.json: graph_itl_ms: expected .*found missing"):
+        bench.persistent_figures(bad)
+    r = json.loads(bench.PERSISTENT_RECORD.read_text())
+    del r["timeline"]["kinds"]["attention"]
+    bad.write_text(json.dumps(r))
+    with pytest.raises(NanoqwenError, match="timeline.kinds.*no attention"):
+        bench.persistent_figures(bad)

@@ -191,3 +191,34 @@ def write_json(r: dict, path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(r, indent=2, default=str))
     tmp.replace(path)
+
+
+PERSISTENT_RECORD = Path(__file__).resolve().parents[2] / "book" / "data" / "persistent.json"
+RECORD_KINDS = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head")
+
+
+def persistent_figures(path=PERSISTENT_RECORD) -> dict:
+    """The headline figures of the persistent step's run (chapter 10 writes the record), for
+    the chapters that quote them: itl_ms and graph_itl_ms (both steps, same run), speedup
+    (graph over persistent), floor_ms, of_ceiling (floor over ITL), rate (kind -> floor over
+    the exposed time of the timeline, for the GEMVs and lm_head), layer_us (the layer kinds'
+    exposed time per layer) and layer_floor_us, and commit, gpu, sms for the conditions.
+    A record without these fields is refused, naming the file and the field."""
+    from nanoqwen_lib.errors import NanoqwenError
+    path = Path(path)
+    r = json.loads(path.read_text())
+    for field in ("itl_ms", "graph_itl_ms", "floor_ms", "git_commit", "conditions", "timeline"):
+        if field not in r:
+            raise NanoqwenError(str(path), field, "the persistent step's record (chapter 10)", "missing")
+    kinds = r["timeline"]["kinds"]
+    missing = [k for k in RECORD_KINDS if k not in kinds]
+    if missing:
+        raise NanoqwenError(str(path), "timeline.kinds", ", ".join(RECORD_KINDS), "no " + ", ".join(missing))
+    layers = kinds["qkv"]["count"]
+    layer_kinds = RECORD_KINDS[:-1]
+    return {"itl_ms": r["itl_ms"], "graph_itl_ms": r["graph_itl_ms"], "speedup": r["graph_itl_ms"] / r["itl_ms"],
+            "floor_ms": r["floor_ms"], "of_ceiling": r["floor_ms"] / r["itl_ms"],
+            "rate": {k: kinds[k]["floor_ns"] / kinds[k]["exposed_ns"] for k in ("qkv", "o_proj", "gate_up", "down", "lm_head")},
+            "layer_us": sum(kinds[k]["exposed_ns"] for k in layer_kinds) / layers / 1e3,
+            "layer_floor_us": sum(kinds[k]["floor_ns"] for k in layer_kinds) / layers / 1e3,
+            "commit": r["git_commit"][:7], "gpu": r["conditions"].get("gpu", "?"), "sms": r["conditions"].get("sms")}
