@@ -50,7 +50,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -72,6 +72,12 @@
 #endif
 #ifndef NQ_PD_FENCE
 #error "NQ_PD_FENCE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_SMEM_PAD_KB
+#error "NQ_PD_SMEM_PAD_KB: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_ATTN_PRE
+#error "NQ_PD_ATTN_PRE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_ATTN_PREFETCH
 #error "NQ_PD_ATTN_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -160,7 +166,9 @@ constexpr int kStageBytes = ceil_div(max2(max2(max2(x_bytes(kQkv), x_bytes(kO)),
                                            max2(kAttnSmem, H * 4)), 16) * 16;
 // ... then, with NQ_PD_SMEM_RING, each warp's ring of kRing blocks behind it.
 constexpr int kRingBytes = kSmemRing ? kRing * kWarps * nqs3::kBlockBytes : 0;
-constexpr int kSmemBytes = kStageBytes + kRingBytes;
+// ... and NQ_PD_SMEM_PAD_KB reserved, unused (a lab variant: what the shared memory it takes
+// from L1 costs the kernel, with no ring in it).
+constexpr int kSmemBytes = kStageBytes + kRingBytes + NQ_PD_SMEM_PAD_KB * 1024;
 
 __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
@@ -548,7 +556,8 @@ __device__ __forceinline__ void rope_pair(const half* x, half* out, int i, float
 // *before* the wait (the cache's older rows do not depend on this token; the page table and
 // context length were written by `begin`, which this CTA has already seen complete); the
 // current token's row (n - 1) is roped and appended by the last split after the wait.
-constexpr int kAttnPre = 3;
+constexpr int kAttnPre = NQ_PD_ATTN_PRE;   // rows a warp loads before the wait
+static_assert(kAttnPre >= 1 && kAttnPre <= 8, "1..8 K/V rows a warp before the wait");
 static_assert(NQ_PD_ATTN_SPLITS * GQA * (D + 2) % 4 == 0, "a KV head's split partials start 16-byte aligned");
 constexpr int kPagesCached = 64;   // a split's pages kept in shared memory from the first layer on
 struct KvRow { float k[D / 32], v[D / 32]; };

@@ -7,7 +7,8 @@ instruction's byte floor.
 
     python tools/bench_persistent.py [--model 7b] [--steps 64] [--variants 'A=1,B=2;C=3'] [--timelines] [--json out.json]
 
-The default variants are the ones PERFLOG.md's latest persistent rows were measured with.
+The default variants are the ones PERFLOG.md's latest persistent rows were measured with;
+`--variants next` runs the ones its "Next" names (NEXT below).
 """
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ DEFAULT = ";".join([
     "NQ_PD_SMEM_RING=1,NQ_PD_RING=4",
     "NQ_PD_SMEM_RING=1,NQ_PD_RING=6",
     "NQ_PD_SMEM_RING=1,NQ_PD_RING=8",
+])
+
+
+NEXT = ";".join([
+    "",
+    "NQ_PD_SMEM_PAD_KB=66",                    # the shared memory of a ring of 4, reserved and unused:
+    "NQ_PD_SMEM_PAD_KB=132",                   # ... and of a ring of 8 (L1 or queueing? PERFLOG v7)
+    "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16",
+    "NQ_PD_ATTN_SPLITS=8,NQ_PD_ATTN_PRE=6",     # fewer, longer splits with every row loaded before the wait
 ])
 
 
@@ -86,7 +96,7 @@ def main() -> int:
     eng = GpuBackend(f, max_tokens=a.prompt_tokens + a.steps + 64, graphs=False, decode="persistent")
     prompt = np.random.default_rng(0).integers(0, 151643, a.prompt_tokens).tolist()
     rows, ref_tokens, best = [], None, None
-    for v in parse(a.variants):
+    for v in parse(NEXT if a.variants == "next" else a.variants):
         try:
             eng.pd = PersistentStep(eng, defines=v)
         except Exception as e:                                  # a variant that does not build or fit

@@ -43,7 +43,8 @@ def instructions(num_layers: int) -> int:
 def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     """Dynamic shared memory of the kernel (its kSmemBytes): the largest staging of any
     instruction (kStageBytes, rounded to 16 bytes), then, with NQ_PD_SMEM_RING, every warp's
-    ring of NQ_PD_RING layout-3 blocks. The kernel refuses a launch with less
+    ring of NQ_PD_RING layout-3 blocks, then NQ_PD_SMEM_PAD_KB reserved (a lab variant). The
+    kernel refuses a launch with less
     (scalars[error] = 4)."""
     t = dict(TUNING, **(defines or {}))
     gqa = dims.num_heads // dims.num_kv_heads
@@ -54,7 +55,7 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     attn = parts * gqa * (dims.head_dim + 2) * 4 + (gqa + 2) * dims.head_dim * 2   # + q, k, v fp16
     stage = -(-max(x, attn, dims.hidden * 4) // 16) * 16
     ring = t["NQ_PD_RING"] * t["NQ_PD_WARPS"] * BLOCK_BYTES if t["NQ_PD_SMEM_RING"] else 0
-    return stage + ring
+    return stage + ring + t["NQ_PD_SMEM_PAD_KB"] * 1024
 
 
 def layer_stream_slots(dims: ModelDims) -> dict[str, int]:
