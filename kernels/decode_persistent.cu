@@ -463,7 +463,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
         __syncwarp();                                    // every lane has read slot i
         if (load) { nqs3::copy_slot(ring + i * nqs3::kBlockBytes, lp, lane); next_load(); }
         hopper::cp_async_commit();
-      } else {
+      } else {   // (r[0] where this branch is dead code: r has one slot in the shared-memory build)
         nqs3::group<kFold>(acc0, acc1, r[kSmemRing ? 0 : i], xl);
         if (load) { nqs3::load_slot(r[kSmemRing ? 0 : i], lp, lane); next_load(); }
       }
