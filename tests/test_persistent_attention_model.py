@@ -1,0 +1,99 @@
+"""The persistent kernel's attention instruction ([pd-attention] in kernels/decode_persistent.cu),
+modelled in NumPy on the CPU with the kernel's own partition and arithmetic order: the context
+cut into splits (at most NQ_PD_ATTN_SPLITS, at least NQ_PD_ATTN_MIN_TOKENS tokens each), each
+warp's tokens j0 + w, j0 + w + W, ... with the online-softmax update of `consume`, the CTA's
+warps merged and then the head's splits merged by `merge_weights` / `merged_acc` (the max and
+the weighted l over the parts, an empty part weighing 0). Every token must be counted once and
+the result must be softmax(q K^T / sqrt(D)) V, whatever the context length: one token, fewer
+tokens than warps, a split boundary inside a page, the longest context of the benchmark."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen_lib import config
+
+TUN = config.load().tuning["decode_persistent"].defines
+F32 = np.float32
+
+
+def splits_of(n: int, max_splits: int, min_tokens: int) -> int:
+    return min(max_splits, max(1, -(-n // min_tokens)))
+
+
+def warp_part(q, k, v, tokens):
+    """One warp's (acc, m, l) over its tokens, in the kernel's order (`consume`)."""
+    d = q.shape[-1]
+    scale = F32(1.0 / np.sqrt(F32(d)))
+    m = np.full(q.shape[0], -np.inf, F32)
+    l = np.zeros(q.shape[0], F32)
+    acc = np.zeros(q.shape, F32)
+    for j in tokens:
+        sc = (q @ k[j]).astype(F32) * scale
+        mn = np.maximum(m, sc)
+        alpha = np.exp(m - mn).astype(F32)
+        p = np.exp(sc - mn).astype(F32)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v[j][None, :]
+        m = mn
+    return acc, m, l
+
+
+def merge(parts):
+    """merge_weights + merged_acc over parts [(acc, m, l)]: (acc, M, L) unnormalized."""
+    ms = np.stack([p[1] for p in parts])                 # [parts, heads]
+    M = ms.max(axis=0)
+    e = np.where(ms == -np.inf, F32(0), np.exp(ms - M)).astype(F32)
+    L = (np.stack([p[2] for p in parts]) * e).sum(axis=0, dtype=F32)
+    acc = np.zeros_like(parts[0][0])
+    for i, p in enumerate(parts):                        # merged_acc: parts in order
+        acc = acc + p[0] * e[i][:, None]
+    return acc, M, L
+
+
+def attention_model(q, k, v, warps, max_splits, min_tokens):
+    """The instruction for one KV head: q [gqa, D], k, v [n, D] -> [gqa, D], plus the tokens
+    each (split, warp) touched."""
+    n = k.shape[0]
+    splits = splits_of(n, max_splits, min_tokens)
+    seen = np.zeros(n, int)
+    split_parts = []
+    for s in range(splits):
+        j0, j1 = s * n // splits, (s + 1) * n // splits
+        parts = []
+        for w in range(warps):
+            tokens = list(range(j0 + w, j1, warps))
+            seen[tokens] += 1
+            parts.append(warp_part(q, k, v, tokens))
+        split_parts.append(merge(parts))                 # the CTA's warps
+    acc, _, L = merge(split_parts) if splits > 1 else split_parts[0]
+    return acc / L[:, None], seen
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 32, 33, 100, 576, 640])
+@pytest.mark.parametrize("model", ["7b", "tiny-hd64"])
+def test_split_attention_is_softmax_attention(n, model):
+    dims = config.load().models[model]
+    gqa, d = dims.num_heads // dims.num_kv_heads, dims.head_dim
+    rng = np.random.default_rng(n)
+    q = rng.standard_normal((gqa, d)).astype(F32)
+    k = (rng.standard_normal((n, d)) * 2).astype(F32)
+    v = rng.standard_normal((n, d)).astype(F32)
+    out, seen = attention_model(q, k, v, TUN["NQ_PD_WARPS"], TUN["NQ_PD_ATTN_SPLITS"], TUN["NQ_PD_ATTN_MIN_TOKENS"])
+    assert (seen == 1).all(), np.flatnonzero(seen != 1)
+    s = (q.astype(np.float64) @ k.T.astype(np.float64)) / np.sqrt(d)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    ref = (p / p.sum(axis=1, keepdims=True)) @ v.astype(np.float64)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("n", [1, 32, 33, 576, 4096])
+def test_splits_fit_the_kernel(n):
+    """The splits the kernel takes fit its workspace and its lane-per-part merge, and a split of
+    a benchmark-length context has no more tokens than its warps load before the wait."""
+    t = TUN
+    s = splits_of(n, t["NQ_PD_ATTN_SPLITS"], t["NQ_PD_ATTN_MIN_TOKENS"])
+    assert 1 <= s <= t["NQ_PD_ATTN_SPLITS"] <= 32
+    assert s * config.load().models["7b"].num_kv_heads <= config.load().engine.persistent["sms"]
+    if n <= config.load().benchmark.prompt_tokens + 128:
+        assert -(-n // s) <= t["NQ_PD_WARPS"] * t["NQ_PD_ATTN_PRE"]
