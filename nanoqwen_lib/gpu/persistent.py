@@ -44,8 +44,7 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     """Dynamic shared memory of the kernel (its kSmemBytes): the largest staging of any
     instruction (kStageBytes, rounded to 16 bytes), then, with NQ_PD_SMEM_RING, every warp's
     ring of NQ_PD_RING layout-3 blocks, then NQ_PD_SMEM_PAD_KB reserved (a lab variant). The
-    kernel refuses a launch with less
-    (scalars[error] = 4)."""
+    kernel refuses a launch with less (scalars[error] = 4)."""
     t = dict(TUNING, **(defines or {}))
     gqa = dims.num_heads // dims.num_kv_heads
     group, xgroup = load().format.group_size, 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]

@@ -202,7 +202,7 @@ def persistent_figures(path=PERSISTENT_RECORD) -> dict:
     the chapters that quote them: itl_ms and graph_itl_ms (both steps, same run), speedup
     (graph over persistent), floor_ms, of_ceiling (floor over ITL), rate (kind -> floor over
     the exposed time of the timeline, for the GEMVs and lm_head), layer_us (the layer kinds'
-    exposed time per layer) and layer_floor_us, and commit, gpu, sms for the conditions.
+    exposed time per layer) and layer_floor_us, and commit and gpu for the conditions.
     A record without these fields is refused, naming the file and the field."""
     from nanoqwen_lib.errors import NanoqwenError
     path = Path(path)
@@ -218,7 +218,7 @@ def persistent_figures(path=PERSISTENT_RECORD) -> dict:
     layer_kinds = RECORD_KINDS[:-1]
     return {"itl_ms": r["itl_ms"], "graph_itl_ms": r["graph_itl_ms"], "speedup": r["graph_itl_ms"] / r["itl_ms"],
             "floor_ms": r["floor_ms"], "of_ceiling": r["floor_ms"] / r["itl_ms"],
-            "rate": {k: kinds[k]["floor_ns"] / kinds[k]["exposed_ns"] for k in ("qkv", "o_proj", "gate_up", "down", "lm_head")},
+            "rate": {k: kinds[k]["floor_ns"] / kinds[k]["exposed_ns"] for k in RECORD_KINDS if k != "attention"},
             "layer_us": sum(kinds[k]["exposed_ns"] for k in layer_kinds) / layers / 1e3,
             "layer_floor_us": sum(kinds[k]["floor_ns"] for k in layer_kinds) / layers / 1e3,
-            "commit": r["git_commit"][:7], "gpu": r["conditions"].get("gpu", "?"), "sms": r["conditions"].get("sms")}
+            "commit": r["git_commit"][:7], "gpu": r["conditions"].get("gpu", "?")}
