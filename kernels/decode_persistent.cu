@@ -50,7 +50,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=1,NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16; NQ_PD_SELF_PREFETCH=16; NQ_PD_NORM_1PASS=1
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -78,6 +78,15 @@
 #endif
 #ifndef NQ_PD_ATTN_PRE
 #error "NQ_PD_ATTN_PRE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_ATTN_MERGE
+#error "NQ_PD_ATTN_MERGE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_NORM_1PASS
+#error "NQ_PD_NORM_1PASS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_SELF_PREFETCH
+#error "NQ_PD_SELF_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_ATTN_PREFETCH
 #error "NQ_PD_ATTN_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -123,6 +132,10 @@ constexpr int D = NQ_HEAD_DIM, NH = NQ_NUM_HEADS, KVH = NQ_NUM_KV_HEADS, GQA = N
 constexpr int Q_DIM = NH * D, KV_DIM = KVH * D, QKV_DIM = Q_DIM + 2 * KV_DIM;
 constexpr int kAttnSplits = NQ_PD_ATTN_SPLITS;
 constexpr int kAttnMinTokens = NQ_PD_ATTN_MIN_TOKENS;
+constexpr bool kAttnMergeAll = NQ_PD_ATTN_MERGE != 0;   // every split merges a slice, else the last split all
+// ST_NORM in one pass over x (a chunk a thread: x of at most kThreads chunks), else two
+constexpr bool kNormOnePass = NQ_PD_NORM_1PASS != 0 && H / 8 <= kThreads;
+static_assert(NQ_PD_SELF_PREFETCH >= 0 && NQ_PD_SELF_PREFETCH <= 32, "0..32 blocks a warp (a lane each)");
 constexpr int kLmRows = 2, kLmUnroll = 4;
 static_assert(kWarps >= 4 && kWarps <= 32, "4..32 warps per CTA");
 static_assert(kRing >= 1 && kRing <= 8, "1..8 blocks in flight per warp");
@@ -249,18 +262,21 @@ struct Ctx {
 // [pd-wait]
 // All threads. Thread 0 spins until sync[prev] >= target (acquire), then the CTA barrier
 // passes the ordering on to every thread.
-__device__ __forceinline__ void wait_inputs(Ctx& c) {
-  if (threadIdx.x == 0 && c.prev >= 0) {
-    const unsigned long long t0 = now_ns();
-    volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
-    for (int spin = 0; ld_poll(c.sync + c.prev) < c.prev_target; ++spin) {
-      if ((spin & 63) == 63) {
-        if (*err != 0) break;                          // an earlier timeout: give up at once
-        if (now_ns() - t0 > (unsigned long long)NQ_PD_TIMEOUT_MS * 1000000ull) { atomicExch((int*)err, kErrTimeout); break; }
-      }
+// One thread: spin until *p >= target (acquire), or give up after NQ_PD_TIMEOUT_MS (error 3)
+// or at once after an earlier timeout.
+__device__ __forceinline__ void spin_until(const Ctx& c, const unsigned* p, unsigned target) {
+  const unsigned long long t0 = now_ns();
+  volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
+  for (int spin = 0; ld_poll(p) < target; ++spin) {
+    if ((spin & 63) == 63) {
+      if (*err != 0) break;                            // an earlier timeout: give up at once
+      if (now_ns() - t0 > (unsigned long long)NQ_PD_TIMEOUT_MS * 1000000ull) { atomicExch((int*)err, kErrTimeout); break; }
     }
-    acquired();
   }
+  acquired();
+}
+__device__ __forceinline__ void wait_inputs(Ctx& c) {
+  if (threadIdx.x == 0 && c.prev >= 0) spin_until(c, c.sync + c.prev, c.prev_target);
   __syncthreads();   // all threads: the inputs of this instruction are complete
   if (NQ_PD_TIMELINE && threadIdx.x == 0) c.t_ready = now_ns();
 }
@@ -413,6 +429,10 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     }
     if (kSmemRing) hopper::cp_async_commit();
   }
+  // gate_up's and down's next NQ_PD_SELF_PREFETCH blocks a warp, past the ring, into L2
+  // ([pd-prefetch]; qkv's and o_proj's were prefetched by the instruction before them).
+  if (NQ_PD_SELF_PREFETCH > 0 && (kind == K_GATE_UP || kind == K_DOWN))
+    prefetch_warp<N, K, TG, KS>(w, kRing, NQ_PD_SELF_PREFETCH);
   if (kind == K_QKV) probe(c, layer, 0);
   wait_inputs(c);
   if (kind == K_QKV) probe(c, layer, 1);
@@ -422,7 +442,19 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
 
   // Stage the unit's groups of the input into shared memory (padded), then the folds.
   if (u.live) {
-    if (kStage == ST_NORM) {
+    if (kStage == ST_NORM && kNormOnePass) {
+      // One pass: a thread's chunk of x and of the norm weight in registers (one L2 round trip,
+      // not two), the same sums in the same order as rms_inv and norm_chunk.
+      const int ch = threadIdx.x, lc = ch - u.g0 * (NQ_GROUP_SIZE / 8);
+      uint4 xv = make_uint4(0u, 0u, 0u, 0u), wv = xv;
+      if (ch < H / 8) {
+        xv = __ldcg(reinterpret_cast<const uint4*>(act) + ch);
+        wv = __ldg(reinterpret_cast<const uint4*>(norm_w) + ch);
+      }
+      const float rinv = 1.0f / sqrtf(block_sum(ch < H / 8 ? nq::sumsq8(xv, 0.f) : 0.f, red) / (float)H + c.eps);
+      if (ch < H / 8 && lc >= 0 && lc < u.ng * (NQ_GROUP_SIZE / 8))
+        *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(lc)) = nq::rmsnorm8(xv, wv, rinv);
+    } else if (kStage == ST_NORM) {
       const float rinv = rms_inv(act, red, c.eps);
       for (int ch = threadIdx.x; ch < u.ng * (NQ_GROUP_SIZE / 8); ch += kThreads)
         *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(ch)) =
@@ -751,7 +783,36 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       __stcg(aws + threadIdx.x * (D + 2) + D + 1, lsum[threadIdx.x]);
     }
   }
-  if (live && splits > 1) {
+  if (live && splits > 1 && kAttnMergeAll) {
+    // [pd-merge-all] Every split of KV head g merges one slice of the head's GQA x D outputs
+    // once all of the head's splits are stored: no split waits on a single merging one.
+    unsigned* cnt = ptr<unsigned>(c.tab, T_ATTN_CNT) + layer * KVH + g;   // (zeroed at the launch's end)
+    __syncthreads();   // all threads: this split's (m, l, acc) are stored
+    if (threadIdx.x == 0) { release_add(cnt, 1u); spin_until(c, cnt, (unsigned)splits); }
+    __syncthreads();   // all threads: every split of head g is stored and visible
+    probe(c, layer, 9);
+    const int o0 = s * (GQA * D) / splits, o1 = (s + 1) * (GQA * D) / splits;   // this split's outputs
+    const int h0 = o0 / D, nh = (o1 - 1) / D - h0 + 1;                         // ... and their heads
+    const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
+    // Into shared memory at the same offsets (independent loads: one L2 round trip): (m, l) of
+    // the slice's heads and the slice's accumulators, of every split.
+    for (int i = threadIdx.x; i < splits * nh * 2; i += kThreads) {
+      const int off = ((i / (nh * 2)) * GQA + h0 + (i % (nh * 2)) / 2) * (D + 2) + D + (i & 1);
+      wpart[off] = __ldcg(base + off);
+    }
+    for (int i = threadIdx.x; i < splits * (o1 - o0); i += kThreads) {
+      const int o = o0 + i % (o1 - o0);
+      const int off = ((i / (o1 - o0)) * GQA + o / D) * (D + 2) + o % D;
+      wpart[off] = __ldcg(base + off);
+    }
+    __syncthreads();   // all threads: the slice of every split is staged
+    if (warp < nh) merge_weights(wpart, splits, h0 + warp, wt, lsum);   // warp w: head h0 + w
+    __syncthreads();   // all threads: weights known
+    for (int o = o0 + threadIdx.x; o < o1; o += kThreads)
+      attn[(g * GQA + o / D) * D + o % D] = __float2half_rn(merged_acc(wpart, splits, o / D, o % D, wt) / lsum[o / D]);
+    probe(c, layer, 10);
+    // [/pd-merge-all]
+  } else if (live && splits > 1) {
     __shared__ int last;
     __syncthreads();   // all threads: this split's (m, l, acc) are stored
     if (threadIdx.x == 0) last = arrive_last(ptr<unsigned>(c.tab, T_ATTN_CNT) + g, splits);
@@ -960,7 +1021,11 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   __syncthreads();   // all threads: this CTA is done
   if (threadIdx.x == 0) {
     if (arrive_last(c.sync + kDone, (unsigned)c.grid))
+    {
       for (int i = 0; i <= kDone; ++i) c.sync[i] = 0u;   // (the next launch sees them: kernel boundary)
+      if (kAttnMergeAll)
+        for (int i = 0; i < num_layers * KVH; ++i) ptr<unsigned>(tab, T_ATTN_CNT)[i] = 0u;
+    }
 #if NQ_PD_TIMELINE
     long long* row = c.tl + 4 * c.tl_n;
     row[0] = num_layers * 16 + K_END; row[1] = (long long)c.t_begin; row[2] = (long long)c.t_begin;

@@ -97,3 +97,34 @@ def test_splits_fit_the_kernel(n):
     assert s * config.load().models["7b"].num_kv_heads <= config.load().engine.persistent["sms"]
     if n <= config.load().benchmark.prompt_tokens + 128:
         assert -(-n // s) <= t["NQ_PD_WARPS"] * t["NQ_PD_ATTN_PRE"]
+
+
+def merge_slices(splits: int, gqa: int, d: int) -> list[tuple[int, int, int, int]]:
+    """[pd-merge-all] (NQ_PD_ATTN_MERGE=1): split s merges outputs [o0, o1) of its KV head's
+    gqa x d, heads h0 .. h0 + nh - 1 (the kernel's arithmetic)."""
+    out = []
+    for s in range(splits):
+        o0, o1 = s * (gqa * d) // splits, (s + 1) * (gqa * d) // splits
+        out.append((o0, o1, o0 // d, (o1 - 1) // d - o0 // d + 1))
+    return out
+
+
+@pytest.mark.parametrize("model", ["7b", "tiny", "tiny-hd64"])
+def test_merge_slices_cover_every_output_once(model):
+    """Every split merging a slice: each of the head's outputs is merged by exactly one split,
+    a slice's heads fit the warps that compute their weights (a warp per head), and what it
+    stages stays inside the partials buffer. The merge of one output uses every split's
+    (m, l) of its head and acc in split order, as the last-split merge does, so the two
+    builds give the same bits."""
+    dims = config.load().models[model]
+    gqa, d = dims.num_heads // dims.num_kv_heads, dims.head_dim
+    parts = max(TUN["NQ_PD_WARPS"], 32)
+    for splits in range(2, 33):
+        seen = np.zeros(gqa * d, int)
+        for o0, o1, h0, nh in merge_slices(splits, gqa, d):
+            assert o0 < o1, (splits, o0)
+            seen[o0:o1] += 1
+            assert 1 <= nh <= gqa <= TUN["NQ_PD_WARPS"]
+            assert h0 + nh <= gqa
+            assert ((splits - 1) * gqa + h0 + nh - 1) * (d + 2) + d + 1 < parts * gqa * (d + 2)
+        assert (seen == 1).all(), splits

@@ -31,12 +31,16 @@ DEFAULT = ";".join([
 ])
 
 
+S32 = "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16"
 NEXT = ";".join([
     "",
-    "NQ_PD_SMEM_PAD_KB=66",                    # the shared memory of a ring of 4, reserved and unused:
-    "NQ_PD_SMEM_PAD_KB=132",                   # ... and of a ring of 8 (L1 or queueing? PERFLOG v7)
-    "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16",
-    "NQ_PD_ATTN_SPLITS=8,NQ_PD_ATTN_PRE=6",     # fewer, longer splits with every row loaded before the wait
+    S32,
+    "NQ_PD_ATTN_MERGE=1",                                  # every split merges a slice of its head
+    "NQ_PD_ATTN_MERGE=1," + S32,
+    "NQ_PD_NORM_1PASS=1",                                  # the rmsnorm staging in one pass over x
+    "NQ_PD_ATTN_MERGE=1,NQ_PD_NORM_1PASS=1," + S32,
+    "NQ_PD_ATTN_MERGE=1,NQ_PD_NORM_1PASS=1,NQ_PD_SELF_PREFETCH=8," + S32,    # gate_up's and down's own
+    "NQ_PD_ATTN_MERGE=1,NQ_PD_NORM_1PASS=1,NQ_PD_SELF_PREFETCH=24," + S32,   # blocks into L2 before the wait
 ])
 
 

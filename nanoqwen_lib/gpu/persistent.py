@@ -103,7 +103,7 @@ class PersistentStep:
             "TILE_CNT": cp.zeros(max(self.plan[f"NQ_PD_{m}_TG"] for m in ("QKV", "O", "GU", "DOWN")), cp.int32),
             "ATTN_WS": cp.zeros(dims.num_kv_heads * t["NQ_PD_ATTN_SPLITS"] * gqa * (dims.head_dim + 2),
                                 cp.float32),
-            "ATTN_CNT": cp.zeros(dims.num_kv_heads, cp.int32),
+            "ATTN_CNT": cp.zeros(dims.num_kv_heads * L, cp.int32),   # per KV head (and layer: NQ_PD_ATTN_MERGE)
             "ARG_VAL": cp.zeros(self.grid, cp.float32),
             "ARG_IDX": cp.zeros(self.grid, cp.int32),
             "ARG_CNT": cp.zeros(1, cp.uint32),
