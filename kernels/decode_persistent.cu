@@ -50,7 +50,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=1,NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16; NQ_PD_SELF_PREFETCH=16; NQ_PD_NORM_1PASS=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -173,7 +173,11 @@ __host__ __device__ constexpr int x_bytes(Gemv m) { return ceil_div(m.K / NQ_GRO
 // Dynamic shared memory: the largest of what the instructions stage (persistent.py's smem_bytes
 // computes the same; the kernel checks %dynamic_smem_size at entry).
 // attention: the warps' (or, in the last split, the splits') partials, then the roped q
-constexpr int kAttnParts = kWarps > kAttnSplits ? kWarps : kAttnSplits;
+constexpr int kMergeParts = kWarps > kAttnSplits ? kWarps : kAttnSplits;   // parts merge_weights weighs at most
+// (with NQ_PD_ATTN_MERGE the splits' partials are never staged whole: a slice, packed)
+constexpr int kAttnParts = kAttnMergeAll || kWarps > kAttnSplits ? kWarps : kAttnSplits;
+static_assert(!kAttnMergeAll || kAttnSplits * GQA * 2 + GQA * D + kAttnSplits <= kAttnParts * GQA * (D + 2),
+              "[pd-merge-all]: a split's packed slice fits the partials buffer");
 constexpr int kAttnSmem = kAttnParts * GQA * (D + 2) * 4 + (GQA + 2) * D * 2;   // ... + q, k, v fp16
 constexpr int kStageBytes = ceil_div(max2(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))),
                                            max2(kAttnSmem, H * 4)), 16) * 16;
@@ -623,24 +627,32 @@ __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc
 // not a chain over the parts. Writes each part's weight e^(m_i - M) (0 for an empty part) to
 // wt[i][h] and the merged l to lsum[h]; returns M in every lane. merged_acc then gives one
 // output element.
-static_assert(kAttnParts <= 32 && GQA <= kWarps, "merge_weights: a lane per part, a warp per head");
-__device__ __forceinline__ float merge_weights(const float* p, int parts, int h, float (*wt)[GQA], float* lsum) {
+static_assert(kMergeParts <= 32 && GQA <= kWarps, "merge_weights: a lane per part, a warp per head");
+// Part i's m and l at ml[i * stride] and ml[i * stride + 1].
+__device__ __forceinline__ float merge_weights_ml(const float* ml, int stride, int parts, int h, float (*wt)[GQA],
+                                                  float* lsum) {
   const int i = threadIdx.x & 31;
-  const float* q = p + (i * GQA + h) * (D + 2);
-  const float m = i < parts ? q[D] : NQ_NEG_INF;
+  const float m = i < parts ? ml[i * stride] : NQ_NEG_INF;
   float M = m;
   for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
   const float e = i < parts && m != NQ_NEG_INF ? __expf(m - M) : 0.f;
-  float L = i < parts ? q[D + 1] * e : 0.f;
+  float L = i < parts ? ml[i * stride + 1] * e : 0.f;
   for (int o = 16; o >= 1; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
   if (i < parts) wt[i][h] = e;
   if (i == 0) lsum[h] = L;
   return M;
 }
-__device__ __forceinline__ float merged_acc(const float* p, int parts, int h, int d, const float (*wt)[GQA]) {
+__device__ __forceinline__ float merge_weights(const float* p, int parts, int h, float (*wt)[GQA], float* lsum) {
+  return merge_weights_ml(p + h * (D + 2) + D, GQA * (D + 2), parts, h, wt, lsum);
+}
+// One output element of head h: part i's accumulator at a[i * stride], in part order.
+__device__ __forceinline__ float merged_acc_s(const float* a, int stride, int parts, int h, const float (*wt)[GQA]) {
   float v = 0.f;
-  for (int i = 0; i < parts; ++i) v = fmaf(p[(i * GQA + h) * (D + 2) + d], wt[i][h], v);
+  for (int i = 0; i < parts; ++i) v = fmaf(a[i * stride], wt[i][h], v);
   return v;
+}
+__device__ __forceinline__ float merged_acc(const float* p, int parts, int h, int d, const float (*wt)[GQA]) {
+  return merged_acc_s(p + h * (D + 2) + d, GQA * (D + 2), parts, h, wt);
 }
 
 __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsigned char* smem) {
@@ -650,7 +662,9 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   // launch (the first attention), kept in Ctx and shared memory for the rest.
   if (c.n_ctx < 0) c.n_ctx = __ldcg(c.scalars + S_CONTEXT * NQ_SCALAR_STRIDE);   // context incl. this token
   const int n = c.n_ctx;
-  const int splits = min(kAttnSplits, max(1, ceil_div(n, kAttnMinTokens)));
+  // At most NQ_PD_ATTN_SPLITS, at least NQ_PD_ATTN_MIN_TOKENS tokens each, and every split of
+  // every KV head a CTA of this grid (the launcher keeps grid >= KVH).
+  const int splits = min(min(kAttnSplits, c.grid / KVH), max(1, ceil_div(n, kAttnMinTokens)));
   const int u = blockIdx.x;
   const bool live = u < KVH * splits;
   const int g = live ? u / splits : 0, s = live ? u % splits : 0;
@@ -684,7 +698,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   half* qh = reinterpret_cast<half*>(wpart + kAttnParts * GQA * (D + 2)); // [GQA][D] roped q, fp16
   half* kh = qh + GQA * D;                                          // [D] this token's roped k (last split)
   half* vh = kh + D;                                                // [D] and v
-  __shared__ float wt[kAttnParts][GQA];   // merge weights (merge_weights)
+  __shared__ float wt[kMergeParts][GQA];   // merge weights (merge_weights): of the warps or of the splits
   __shared__ float lsum[GQA];
   if (live) {
     const half* qkv = ptr<const half>(c.tab, T_QKV);
@@ -791,25 +805,24 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     if (threadIdx.x == 0) { release_add(cnt, 1u); spin_until(c, cnt, (unsigned)splits); }
     __syncthreads();   // all threads: every split of head g is stored and visible
     probe(c, layer, 9);
-    const int o0 = s * (GQA * D) / splits, o1 = (s + 1) * (GQA * D) / splits;   // this split's outputs
-    const int h0 = o0 / D, nh = (o1 - 1) / D - h0 + 1;                         // ... and their heads
+    const int o0 = s * (GQA * D) / splits, o1 = (s + 1) * (GQA * D) / splits, no = o1 - o0;   // this split's outputs
+    const int h0 = o0 / D, nh = (o1 - 1) / D - h0 + 1;                                      // ... and their heads
     const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
-    // Into shared memory at the same offsets (independent loads: one L2 round trip): (m, l) of
-    // the slice's heads and the slice's accumulators, of every split.
-    for (int i = threadIdx.x; i < splits * nh * 2; i += kThreads) {
-      const int off = ((i / (nh * 2)) * GQA + h0 + (i % (nh * 2)) / 2) * (D + 2) + D + (i & 1);
-      wpart[off] = __ldcg(base + off);
-    }
-    for (int i = threadIdx.x; i < splits * (o1 - o0); i += kThreads) {
-      const int o = o0 + i % (o1 - o0);
-      const int off = ((i / (o1 - o0)) * GQA + o / D) * (D + 2) + o % D;
-      wpart[off] = __ldcg(base + off);
+    // Into shared memory, packed (independent loads: one L2 round trip): sml[split][head][m, l]
+    // of the slice's heads, sacc[split][output] of its outputs.
+    float* sml = wpart;
+    float* sacc = wpart + kAttnSplits * GQA * 2;
+    for (int i = threadIdx.x; i < splits * nh * 2; i += kThreads)
+      sml[i] = __ldcg(base + ((i / (nh * 2)) * GQA + h0 + (i % (nh * 2)) / 2) * (D + 2) + D + (i & 1));
+    for (int i = threadIdx.x; i < splits * no; i += kThreads) {
+      const int o = o0 + i % no;
+      sacc[i] = __ldcg(base + ((i / no) * GQA + o / D) * (D + 2) + o % D);
     }
     __syncthreads();   // all threads: the slice of every split is staged
-    if (warp < nh) merge_weights(wpart, splits, h0 + warp, wt, lsum);   // warp w: head h0 + w
+    if (warp < nh) merge_weights_ml(sml + warp * 2, nh * 2, splits, h0 + warp, wt, lsum);   // warp w: head h0 + w
     __syncthreads();   // all threads: weights known
     for (int o = o0 + threadIdx.x; o < o1; o += kThreads)
-      attn[(g * GQA + o / D) * D + o % D] = __float2half_rn(merged_acc(wpart, splits, o / D, o % D, wt) / lsum[o / D]);
+      attn[(g * GQA + o / D) * D + o % D] = __float2half_rn(merged_acc_s(sacc + (o - o0), no, splits, o / D, wt) / lsum[o / D]);
     probe(c, layer, 10);
     // [/pd-merge-all]
   } else if (live && splits > 1) {

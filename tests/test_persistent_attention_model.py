@@ -17,8 +17,13 @@ TUN = config.load().tuning["decode_persistent"].defines
 F32 = np.float32
 
 
-def splits_of(n: int, max_splits: int, min_tokens: int) -> int:
-    return min(max_splits, max(1, -(-n // min_tokens)))
+SMS = config.load().engine.persistent["sms"]
+
+
+def splits_of(n: int, max_splits: int, min_tokens: int, grid: int = SMS, kv_heads: int = 4) -> int:
+    """The kernel's count: at most max_splits and a CTA of the grid per split of each KV head,
+    at least min_tokens tokens a split."""
+    return min(max_splits, grid // kv_heads, max(1, -(-n // min_tokens)))
 
 
 def warp_part(q, k, v, tokens):
@@ -51,11 +56,11 @@ def merge(parts):
     return acc, M, L
 
 
-def attention_model(q, k, v, warps, max_splits, min_tokens):
+def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=4):
     """The instruction for one KV head: q [gqa, D], k, v [n, D] -> [gqa, D], plus the tokens
     each (split, warp) touched."""
     n = k.shape[0]
-    splits = splits_of(n, max_splits, min_tokens)
+    splits = splits_of(n, max_splits, min_tokens, grid, kv_heads)
     seen = np.zeros(n, int)
     split_parts = []
     for s in range(splits):
@@ -71,15 +76,16 @@ def attention_model(q, k, v, warps, max_splits, min_tokens):
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 32, 33, 100, 576, 640])
-@pytest.mark.parametrize("model", ["7b", "tiny-hd64"])
-def test_split_attention_is_softmax_attention(n, model):
+@pytest.mark.parametrize("model,grid", [("7b", SMS), ("7b", 114), ("tiny-hd64", SMS), ("tiny-hd64", 5)])
+def test_split_attention_is_softmax_attention(n, model, grid):
     dims = config.load().models[model]
     gqa, d = dims.num_heads // dims.num_kv_heads, dims.head_dim
     rng = np.random.default_rng(n)
     q = rng.standard_normal((gqa, d)).astype(F32)
     k = (rng.standard_normal((n, d)) * 2).astype(F32)
     v = rng.standard_normal((n, d)).astype(F32)
-    out, seen = attention_model(q, k, v, TUN["NQ_PD_WARPS"], TUN["NQ_PD_ATTN_SPLITS"], TUN["NQ_PD_ATTN_MIN_TOKENS"])
+    out, seen = attention_model(q, k, v, TUN["NQ_PD_WARPS"], TUN["NQ_PD_ATTN_SPLITS"], TUN["NQ_PD_ATTN_MIN_TOKENS"],
+                                grid, dims.num_kv_heads)
     assert (seen == 1).all(), np.flatnonzero(seen != 1)
     s = (q.astype(np.float64) @ k.T.astype(np.float64)) / np.sqrt(d)
     p = np.exp(s - s.max(axis=1, keepdims=True))
@@ -92,9 +98,11 @@ def test_splits_fit_the_kernel(n):
     """The splits the kernel takes fit its workspace and its lane-per-part merge, and a split of
     a benchmark-length context has no more tokens than its warps load before the wait."""
     t = TUN
-    s = splits_of(n, t["NQ_PD_ATTN_SPLITS"], t["NQ_PD_ATTN_MIN_TOKENS"])
+    kvh = config.load().models["7b"].num_kv_heads
+    for grid in (kvh, 114, SMS):                          # every split of every head a CTA (H100 PCIe: 114 SMs)
+        assert splits_of(n, t["NQ_PD_ATTN_SPLITS"], t["NQ_PD_ATTN_MIN_TOKENS"], grid, kvh) * kvh <= grid
+    s = splits_of(n, t["NQ_PD_ATTN_SPLITS"], t["NQ_PD_ATTN_MIN_TOKENS"], SMS, kvh)
     assert 1 <= s <= t["NQ_PD_ATTN_SPLITS"] <= 32
-    assert s * config.load().models["7b"].num_kv_heads <= config.load().engine.persistent["sms"]
     if n <= config.load().benchmark.prompt_tokens + 128:
         assert -(-n // s) <= t["NQ_PD_WARPS"] * t["NQ_PD_ATTN_PRE"]
 

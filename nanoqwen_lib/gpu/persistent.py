@@ -50,7 +50,8 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     group, xgroup = load().format.group_size, 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]
     x = max(-(-(k // group) // plan[f"NQ_PD_{m}_KS"]) * xgroup
             for m, k in (("QKV", dims.hidden), ("O", dims.q_dim), ("GU", dims.hidden), ("DOWN", dims.intermediate)))
-    parts = max(t["NQ_PD_WARPS"], t["NQ_PD_ATTN_SPLITS"])      # the warps' or the splits' partials
+    # the warps' partials, or (the last split merging all, NQ_PD_ATTN_MERGE=0) the splits'
+    parts = t["NQ_PD_WARPS"] if t["NQ_PD_ATTN_MERGE"] else max(t["NQ_PD_WARPS"], t["NQ_PD_ATTN_SPLITS"])
     attn = parts * gqa * (dims.head_dim + 2) * 4 + (gqa + 2) * dims.head_dim * 2   # + q, k, v fp16
     stage = -(-max(x, attn, dims.hidden * 4) // 16) * 16
     ring = t["NQ_PD_RING"] * t["NQ_PD_WARPS"] * BLOCK_BYTES if t["NQ_PD_SMEM_RING"] else 0
@@ -82,6 +83,9 @@ class PersistentStep:
         dims = self.dims = eng.dims
         dev = cp.cuda.Device()
         self.grid = grid or dev.attributes["MultiProcessorCount"]
+        if self.grid < dims.num_kv_heads:                # attention: a CTA per KV head at least
+            raise LimitError(f"kernels/{KERNEL}.cu", "grid (CTAs of the persistent step)",
+                             f">= num_kv_heads = {dims.num_kv_heads}", self.grid)
         self.plan = persistent_plan(dims, self.grid)
         self.extra = dict(defines or {})               # the knobs this build overrides (a diagnostic build keeps them)
         self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **self.extra)
