@@ -50,6 +50,7 @@ def test_identical_streams_match_fully():
     ref = Scripted(list(range(10)), [1.0] * 10)
     a = greedy_agreement(Replay(list(range(10))), ref, [[1, 2]] * 3, 10)
     assert (a.tokens, a.identical, a.divergences, a.match) == (30, 30, 0, 1.0) and a.passes()
+    assert type(a.passes()) is bool   # `validate` prints it as JSON (a NumPy bool is not)
 
 
 def test_near_tie_divergence_is_counted_apart():
@@ -128,6 +129,7 @@ def test_teacher_forced_returns_the_references_stream_and_logit_errors():
     e = a.logit_error_summary()
     assert e["steps"] == 6 and e["max_abs_logit_err"]["100"] == 0.25
     assert a.logit_error_ok() == (0.25 <= V.logit_err_max)
+    assert type(a.logit_error_ok()) is bool   # `validate` prints it as JSON (a NumPy bool is not)
 
 
 def test_a_large_logit_error_fails_whatever_the_tokens():

@@ -50,7 +50,7 @@ class Agreement:
         return self.identical / compared if compared else 1.0
 
     def passes(self) -> bool:
-        return self.match >= load().validation.token_match_min
+        return bool(self.match >= load().validation.token_match_min)
 
     def summary(self) -> str:
         v = load().validation
@@ -120,7 +120,7 @@ class ForcedAgreement:
         """The engine's logit error is within `logit_err_max` (p99.9 of the per-step max),
         so that near-ties are the engine's rounding noise, not a bug's (True when the
         candidate showed no logits: nothing to judge)."""
-        return not self.logit_err or np.percentile(self.logit_err, 99.9) <= load().validation.logit_err_max
+        return bool(not self.logit_err or np.percentile(self.logit_err, 99.9) <= load().validation.logit_err_max)
 
     def summary(self) -> str:
         s = (f"teacher-forced: {self.identical}/{self.tokens} steps identical, {self.near_tie_mismatches} "
