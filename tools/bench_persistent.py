@@ -31,16 +31,12 @@ DEFAULT = ";".join([
 ])
 
 
-S32 = "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16"
 NEXT = ";".join([
-    "",
-    S32,
-    "NQ_PD_ATTN_MERGE=1",                                  # every split merges a slice of its head
-    "NQ_PD_ATTN_MERGE=1," + S32,
-    "NQ_PD_NORM_1PASS=1",                                  # the rmsnorm staging in one pass over x
-    "NQ_PD_ATTN_MERGE=1,NQ_PD_NORM_1PASS=1," + S32,
-    "NQ_PD_ATTN_MERGE=1,NQ_PD_NORM_1PASS=1,NQ_PD_SELF_PREFETCH=8," + S32,    # gate_up's and down's own
-    "NQ_PD_ATTN_MERGE=1,NQ_PD_NORM_1PASS=1,NQ_PD_SELF_PREFETCH=24," + S32,   # blocks into L2 before the wait
+    "",                                                   # v8 (nanoqwen.yaml)
+    "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1",                  # down without split-K: no fold, 1-2 tiles a CTA
+    "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2",
+    "NQ_PD_QKV_TG=66,NQ_PD_QKV_KS=2",                     # qkv: 4-5 tiles x half of K, a fold (now 2-3 tiles)
+    "NQ_PD_ATTN_PRE=2",
 ])
 
 

@@ -86,8 +86,11 @@ class PersistentStep:
         if self.grid < dims.num_kv_heads:                # attention: a CTA per KV head at least
             raise LimitError(f"kernels/{KERNEL}.cu", "grid (CTAs of the persistent step)",
                              f">= num_kv_heads = {dims.num_kv_heads}", self.grid)
-        self.plan = persistent_plan(dims, self.grid)
         self.extra = dict(defines or {})               # the knobs this build overrides (a diagnostic build keeps them)
+        # ... a split among them (NQ_PD_<M>_{TG,KS}, a lab variant) replaces the plan's, so that
+        # the workspaces and the shared memory are sized for the split the kernel runs
+        self.plan = persistent_plan(dims, self.grid)
+        self.plan.update({k: int(v) for k, v in self.extra.items() if k in self.plan})
         self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **self.extra)
         self.timeline_on = timeline
         self.kernel = load_module(KERNEL, dims, self.defines).get_function("nq_decode_persistent")
