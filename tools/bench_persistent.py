@@ -21,22 +21,26 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DEFAULT = ";".join([
-    "",                                        # nanoqwen.yaml's knobs
-    "NQ_PD_SMEM_RING=0,NQ_PD_RING=2",          # the register ring
-    "NQ_PD_SMEM_RING=1,NQ_PD_RING=3",          # the shared-memory ring, 3 to 8 blocks a warp
-    "NQ_PD_SMEM_RING=1,NQ_PD_RING=4",
-    "NQ_PD_SMEM_RING=1,NQ_PD_RING=6",
-    "NQ_PD_SMEM_RING=1,NQ_PD_RING=8",
+V7 = "NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32"   # v7's attention and norm
+S32 = "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16"
+DEFAULT = ";".join([                                     # PERFLOG "Persistent decode v8"
+    V7,
+    "NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0," + S32,
+    "NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32",   # every split merges a slice
+    "NQ_PD_NORM_1PASS=0",
+    "NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32",   # the norm in one pass
+    "",                                                  # v8 (nanoqwen.yaml): both, 32 splits
+    "NQ_PD_SELF_PREFETCH=8",                             # gate_up's and down's own blocks into L2 first
+    "NQ_PD_SELF_PREFETCH=24",
+    "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1",                 # down without split-K: no fold, 1-2 tiles a CTA
+    "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2",
+    "NQ_PD_QKV_TG=66,NQ_PD_QKV_KS=2",                    # qkv: 4-5 tiles x half of K, a fold
+    "NQ_PD_ATTN_PRE=2",
 ])
 
 
-NEXT = ";".join([
-    "",                                                   # v8 (nanoqwen.yaml)
-    "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1",                  # down without split-K: no fold, 1-2 tiles a CTA
-    "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2",
-    "NQ_PD_QKV_TG=66,NQ_PD_QKV_KS=2",                     # qkv: 4-5 tiles x half of K, a fold (now 2-3 tiles)
-    "NQ_PD_ATTN_PRE=2",
+NEXT = ";".join([                                        # is ATTN_PRE=2 faster, or noise? (each twice)
+    "", "NQ_PD_ATTN_PRE=2", "", "NQ_PD_ATTN_PRE=2",
 ])
 
 
