@@ -12,7 +12,8 @@
 //            of the qkv GEMV; the last CTA of a tile set adds the split-K slices and the bias
 //   attention  q heads of one KV head roped (rope_append.cu's arithmetic), one split of the
 //            context (the last split also ropes this token's k and appends k, v to its page),
-//            online softmax; the last split of a KV head to finish merges the splits
+//            online softmax; once all of a KV head's splits are stored, each merges a slice
+//            of the head's outputs (NQ_PD_ATTN_MERGE=0: the last split to finish merges all)
 //   o_proj   its share of attn -> x (+ residual, in place)
 //   gate_up  rmsnorm(x), its share of the gate/up GEMV
 //   down     SwiGLU of its K slice of gate_up, its share of the down GEMV (+ residual)
