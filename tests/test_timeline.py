@@ -183,3 +183,35 @@ def test_persistent_figures_refuse_a_record_without_a_field(tmp_path):
     bad.write_text(json.dumps(r))
     with pytest.raises(NanoqwenError, match="timeline.kinds.*no attention"):
         bench.persistent_figures(bad)
+
+
+def test_persistent_variants_from_the_committed_record():
+    """Chapter 10's variant plot: every row of every run, each with its ITL and one token's
+    exposed time per kind (which sums to about the ITL: the timeline build is a little slower)."""
+    from nanoqwen_lib.measure import bench
+    rows = bench.persistent_variants()
+    assert len(rows) >= 2 and len({r["run"] for r in rows}) >= 1
+    for r in rows:
+        total = sum(r["exposed_ms"][k] for k in bench.RECORD_KINDS)
+        assert 0.9 * r["ms"] < total < 1.15 * r["ms"], r
+        assert 0 <= r["same_tokens"] <= 64
+
+
+def test_persistent_variants_refuse_a_row_without_a_field(tmp_path):
+    import json
+    from nanoqwen_lib.errors import NanoqwenError
+    from nanoqwen_lib.measure import bench
+    r = json.loads(bench.VARIANTS_RECORD.read_text())
+    del r["runs"][1]["rows"][2]["ms"]
+    bad = tmp_path / "persistent-variants.json"
+    bad.write_text(json.dumps(r))
+    with pytest.raises(NanoqwenError, match=r"runs\[1\]\.rows\[2\]\.ms: expected .*found missing"):
+        bench.persistent_variants(bad)
+    r = json.loads(bench.VARIANTS_RECORD.read_text())
+    del r["runs"][0]["rows"][0]["exposed_ms"]["down"]
+    bad.write_text(json.dumps(r))
+    with pytest.raises(NanoqwenError, match=r"runs\[0\]\.rows\[0\]\.exposed_ms.*no down"):
+        bench.persistent_variants(bad)
+    bad.write_text(json.dumps({"runs": []}))
+    with pytest.raises(NanoqwenError, match="runs"):
+        bench.persistent_variants(bad)

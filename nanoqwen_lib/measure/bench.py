@@ -197,6 +197,35 @@ PERSISTENT_RECORD = Path(__file__).resolve().parents[2] / "book" / "data" / "per
 RECORD_KINDS = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head")
 
 
+VARIANTS_RECORD = PERSISTENT_RECORD.with_name("persistent-variants.json")
+
+
+def persistent_variants(path=VARIANTS_RECORD) -> list[dict]:
+    """The persistent kernel's measured variants (tools/bench_persistent.py --timelines
+    --json, several runs): one dict per row with run (its commit), baseline (what the run's
+    other rows change), label, ms, same_tokens and exposed_ms (kind -> ms of one token,
+    RECORD_KINDS). A row that lacks a field is refused,
+    naming the file, the row and the field."""
+    from nanoqwen_lib.errors import NanoqwenError
+    path = Path(path)
+    r = json.loads(path.read_text())
+    out = []
+    for i, run in enumerate(r.get("runs") or []):
+        for j, row in enumerate(run.get("rows") or []):
+            where = f"runs[{i}].rows[{j}]"
+            for field in ("label", "ms", "same_tokens", "exposed_ms"):
+                if row.get(field) is None:
+                    raise NanoqwenError(str(path), f"{where}.{field}", "a measured variant", "missing")
+            missing = [k for k in RECORD_KINDS if k not in row["exposed_ms"]]
+            if missing:
+                raise NanoqwenError(str(path), f"{where}.exposed_ms", ", ".join(RECORD_KINDS), "no " + ", ".join(missing))
+            out.append({"run": run.get("commit", "?"), "baseline": run.get("baseline", ""),
+                        **{k: row[k] for k in ("label", "ms", "same_tokens", "exposed_ms")}})
+    if not out:
+        raise NanoqwenError(str(path), "runs", "at least one run with rows", "none")
+    return out
+
+
 def persistent_figures(path=PERSISTENT_RECORD) -> dict:
     """The headline figures of the persistent step's run (chapter 10 writes the record), for
     the chapters that quote them: itl_ms and graph_itl_ms (both steps, same run), speedup

@@ -178,3 +178,26 @@ def scoreboard_bars(rows: list[dict], article: dict, title: str = ""):
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def stacked_barh(rows: dict[str, dict[str, float]], xlabel: str, title: str = "", totals: dict | None = None,
+                 fmt: str = "{:.3f}", ax=None):
+    """Horizontal stacked bars, one per label (top to bottom), one segment per part (every
+    row names the same parts, in the same order); totals (label -> value, default the sum of
+    the parts) printed just past each bar's end. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    parts = list(next(iter(rows.values())))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8.0, 1.0 + 0.38 * len(rows)))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    left = [0.0] * len(rows)
+    for p, name in enumerate(parts):
+        vals = [float(r[name]) for r in rows.values()]
+        ax.barh(range(len(rows)), vals, left=left, color=colors[p % len(colors)], label=name)
+        left = [a + b for a, b in zip(left, vals)]
+    ends = [float(totals[k]) if totals else left[y] for y, k in enumerate(rows)]
+    for y, v in enumerate(ends):
+        ax.text(max(v, left[y]), y, " " + fmt.format(v), va="center", fontsize=8)
+    ax.set_xlim(right=max(max(ends), max(left)) * VALUE_ROOM_LINEAR)
+    return _finish_barh(ax, list(rows), xlabel, title)
