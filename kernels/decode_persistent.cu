@@ -51,7 +51,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=1
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -82,6 +82,9 @@
 #endif
 #ifndef NQ_PD_ATTN_MERGE
 #error "NQ_PD_ATTN_MERGE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_ATTN_LANES
+#error "NQ_PD_ATTN_LANES: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_NORM_1PASS
 #error "NQ_PD_NORM_1PASS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -134,6 +137,11 @@ constexpr int Q_DIM = NH * D, KV_DIM = KVH * D, QKV_DIM = Q_DIM + 2 * KV_DIM;
 constexpr int kAttnSplits = NQ_PD_ATTN_SPLITS;
 constexpr int kAttnMinTokens = NQ_PD_ATTN_MIN_TOKENS;
 constexpr bool kAttnMergeAll = NQ_PD_ATTN_MERGE != 0;   // every split merges a slice, else the last split all
+// attention: a split of at most 32 tokens as a warp per query head and a lane per token
+// ([pd-attn-lanes]; longer splits take the warp-per-token path)
+constexpr bool kAttnLanes = NQ_PD_ATTN_LANES != 0;
+static_assert(!kAttnLanes || kAttnMergeAll, "[pd-attn-lanes] stores each head's part for the slice merge");
+static_assert(!kAttnLanes || 2 * 32 * D * 2 <= kWarps * GQA * (D + 2) * 4, "[pd-attn-lanes]: K and V rows fit the partials buffer");
 // ST_NORM in one pass over x (a chunk a thread: x of at most kThreads chunks), else two
 constexpr bool kNormOnePass = NQ_PD_NORM_1PASS != 0 && H / 8 <= kThreads;
 static_assert(NQ_PD_SELF_PREFETCH >= 0 && NQ_PD_SELF_PREFETCH <= 32, "0..32 blocks a warp (a lane each)");
@@ -685,11 +693,29 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     const int page = pi < kPagesCached ? c.s_pages[pi] : __ldcg(block_table + j / NQ_PAGE_TOKENS);
     return ((long long)(page * KVH + g) * NQ_PAGE_TOKENS + j % NQ_PAGE_TOKENS) * D + lane * E;
   };
+  // [pd-attn-lanes] (NQ_PD_ATTN_LANES, a split of <= 32 tokens): the split's older K and V rows
+  // go to shared memory by cp.async before the wait (no register held across it).
+  const bool lanes = kAttnLanes && live && j1 - j0 <= 32;                  // CTA-uniform
+  half* ks = reinterpret_cast<half*>(smem);                                // [32][D] K rows, then
+  half* vs = ks + 32 * D;                                                  // [32][D] V rows
+  if (lanes) {
+    constexpr int kChunks = D * 2 / 16;                                    // 16-byte chunks a row
+    for (int i = threadIdx.x; i < (j1 - j0) * kChunks; i += kThreads) {
+      const int t = i / kChunks, ch = i % kChunks, j = j0 + t;
+      if (j < n - 1) {
+        const long long off = row_of(j) - lane * E + ch * 8;
+        hopper::cp_async16(hopper::smem_u32(ks + t * D + ch * 8), kc + off, true);
+        hopper::cp_async16(hopper::smem_u32(vs + t * D + ch * 8), vc + off, true);
+      }
+    }
+    hopper::cp_async_commit();
+  }
+  // [/pd-attn-lanes]
   KvRow pre[kAttnPre];
 #pragma unroll
   for (int i = 0; i < kAttnPre; ++i) {
     const int j = j0 + warp + i * kWarps;
-    if (j < j1 && j < n - 1) load_kv(pre[i], kc, vc, row_of(j));
+    if (!lanes && j < j1 && j < n - 1) load_kv(pre[i], kc, vc, row_of(j));
   }
   prefetch_during_attention(c);   // no weights here: o_proj's and gate_up's, queued behind the K/V reads
   probe(c, layer, 5);
@@ -722,9 +748,58 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       vc[row + i] = vh[i]; vc[row + i2] = vh[i2];
     }
   }
+  if (lanes) hopper::cp_async_wait<0>();   // this thread's K/V rows have landed
   __syncthreads();   // all threads: q roped; this token's k, v in shared memory (and stored to the cache)
   probe(c, layer, 7);
-  if (live) {
+  if (lanes && warp < GQA) {
+    // [pd-attn-lanes] Warp h: query head h over the split's tokens, lane t: token j0 + t. The
+    // score is the lane's own dot product (half2 pairs read in a rotated order: the 32 lanes'
+    // rows fall in 32 different banks), the softmax two shuffle trees, and each output dim a
+    // sum over the tokens' p (broadcast by shuffle) times their V row. (acc, m, l) of head h go
+    // straight to the split's partials: no merge over warps.
+    const int h = warp, ntok = j1 - j0, j = j0 + lane;
+    const bool mine = lane < ntok;
+    float sc = NQ_NEG_INF;
+    if (mine) {
+      const half2* q2 = reinterpret_cast<const half2*>(qh + h * D);
+      const half2* k2 = reinterpret_cast<const half2*>(j == n - 1 ? kh : ks + lane * D);
+      float d = 0.f;
+#pragma unroll 8
+      for (int i = 0; i < D / 2; ++i) {
+        const int c2 = (i + lane) & (D / 2 - 1);
+        const float2 qf = __half22float2(q2[c2]), kf = __half22float2(k2[c2]);
+        d = fmaf(qf.x, kf.x, d);
+        d = fmaf(qf.y, kf.y, d);
+      }
+      sc = d * rsqrtf((float)D);
+    }
+    float m = sc;
+    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float p = mine ? __expf(sc - m) : 0.f;
+    float l = p;
+    for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    float acc[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = 0.f;
+    for (int t = 0; t < ntok; ++t) {
+      const float pt = __shfl_sync(0xffffffffu, p, t);
+      const half* vr = (j0 + t == n - 1 ? vh : vs + t * D) + lane * E;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = fmaf(pt, __half2float(vr[e]), acc[e]);
+    }
+    if (splits == 1) {
+      half* out = ptr<half>(c.tab, T_ATTN) + (g * GQA + h) * D + lane * E;
+#pragma unroll
+      for (int e = 0; e < E; ++e) out[e] = __float2half_rn(acc[e] / l);
+    } else {
+      float* part = ptr<float>(c.tab, T_ATTN_WS) + ((size_t)(g * kAttnSplits + s) * GQA + h) * (D + 2);
+#pragma unroll
+      for (int e = 0; e < E; ++e) __stcg(part + lane * E + e, acc[e]);
+      if (lane == 0) { __stcg(part + D, m); __stcg(part + D + 1, l); }
+    }
+    // [/pd-attn-lanes]
+  }
+  if (live && !lanes) {
     float q[GQA][E];
 #pragma unroll
     for (int h = 0; h < GQA; ++h)
@@ -777,16 +852,16 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       if (lane == 0) { wp[D] = m[h]; wp[D + 1] = l[h]; }
     }
   }
-  __syncthreads();   // all threads: every warp's part is in shared memory
+  if (!lanes) __syncthreads();   // all threads: every warp's part is in shared memory
   probe(c, layer, 8);
-  if (live && warp < GQA) {                            // warp h: head h's weights over the warps
+  if (live && !lanes && warp < GQA) {                  // warp h: head h's weights over the warps
     const float M = merge_weights(wpart, kWarps, warp, wt, lsum);
     if (lane == 0) wpart[warp * (D + 2) + D] = M;        // warp 0's m slot <- the CTA's M (all lanes have read)
   }
-  __syncthreads();   // all threads: weights known
+  if (!lanes) __syncthreads();   // all threads: weights known
   float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);
   half* attn = ptr<half>(c.tab, T_ATTN);
-  if (live) {
+  if (live && !lanes) {
     for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
       const int h = i / D, d = i % D;
       const float v = merged_acc(wpart, kWarps, h, d, wt);

@@ -56,15 +56,42 @@ def merge(parts):
     return acc, M, L
 
 
-def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=4):
+def lanes_part(q, k, v, tokens):
+    """[pd-attn-lanes]: a warp per query head, a lane per token (at most 32): each lane's score
+    summed over the half2 pairs in its rotated order, the softmax over the lanes, each output
+    dim summed over the tokens in order."""
+    gqa, d = q.shape
+    scale = F32(1.0 / np.sqrt(F32(d)))
+    sc = np.zeros((gqa, len(tokens)), F32)
+    for t, j in enumerate(tokens):
+        for h in range(gqa):
+            acc = F32(0)
+            for i in range(d // 2):
+                c2 = (i + t) & (d // 2 - 1)
+                acc = F32(acc + q[h, 2 * c2] * k[j, 2 * c2])
+                acc = F32(acc + q[h, 2 * c2 + 1] * k[j, 2 * c2 + 1])
+            sc[h, t] = acc * scale
+    m = sc.max(axis=1)
+    p = np.exp(sc - m[:, None]).astype(F32)
+    acc = np.zeros((gqa, d), F32)
+    for t, j in enumerate(tokens):
+        acc = acc + p[:, t:t + 1] * v[j][None, :]
+    return acc, m, p.sum(axis=1, dtype=F32)
+
+
+def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=4, lanes=False):
     """The instruction for one KV head: q [gqa, D], k, v [n, D] -> [gqa, D], plus the tokens
-    each (split, warp) touched."""
+    each (split, warp) touched. lanes: NQ_PD_ATTN_LANES (a split of <= 32 tokens by lanes)."""
     n = k.shape[0]
     splits = splits_of(n, max_splits, min_tokens, grid, kv_heads)
     seen = np.zeros(n, int)
     split_parts = []
     for s in range(splits):
         j0, j1 = s * n // splits, (s + 1) * n // splits
+        if lanes and j1 - j0 <= 32:
+            seen[j0:j1] += 1
+            split_parts.append(lanes_part(q, k, v, list(range(j0, j1))))
+            continue
         parts = []
         for w in range(warps):
             tokens = list(range(j0 + w, j1, warps))
@@ -76,8 +103,9 @@ def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=4
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 32, 33, 100, 576, 640])
+@pytest.mark.parametrize("lanes", [False, True])
 @pytest.mark.parametrize("model,grid", [("7b", SMS), ("7b", 114), ("tiny-hd64", SMS), ("tiny-hd64", 5)])
-def test_split_attention_is_softmax_attention(n, model, grid):
+def test_split_attention_is_softmax_attention(n, model, grid, lanes):
     dims = config.load().models[model]
     gqa, d = dims.num_heads // dims.num_kv_heads, dims.head_dim
     rng = np.random.default_rng(n)
@@ -85,7 +113,7 @@ def test_split_attention_is_softmax_attention(n, model, grid):
     k = (rng.standard_normal((n, d)) * 2).astype(F32)
     v = rng.standard_normal((n, d)).astype(F32)
     out, seen = attention_model(q, k, v, TUN["NQ_PD_WARPS"], TUN["NQ_PD_ATTN_SPLITS"], TUN["NQ_PD_ATTN_MIN_TOKENS"],
-                                grid, dims.num_kv_heads)
+                                grid, dims.num_kv_heads, lanes)
     assert (seen == 1).all(), np.flatnonzero(seen != 1)
     s = (q.astype(np.float64) @ k.T.astype(np.float64)) / np.sqrt(d)
     p = np.exp(s - s.max(axis=1, keepdims=True))

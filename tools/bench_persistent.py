@@ -39,8 +39,8 @@ DEFAULT = ";".join([                                     # PERFLOG "Persistent d
 ])
 
 
-NEXT = ";".join([                                        # is ATTN_PRE=2 faster, or noise? (each twice)
-    "", "NQ_PD_ATTN_PRE=2", "", "NQ_PD_ATTN_PRE=2",
+NEXT = ";".join([                                        # attention by lanes ([pd-attn-lanes]; each twice)
+    "", "NQ_PD_ATTN_LANES=1", "", "NQ_PD_ATTN_LANES=1",
 ])
 
 
