@@ -337,10 +337,14 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 
 // 1 / rms of the fp16 vector x [H] (written in this kernel: read through L2), decode_ops.cu's
 // nq_rmsnorm arithmetic.
+// From each thread's partial sum of squares (all threads):
+__device__ __forceinline__ float rms_inv_of(float ss, float* red, float eps) {
+  return 1.0f / sqrtf(block_sum(ss, red) / (float)H + eps);
+}
 __device__ __forceinline__ float rms_inv(const half* x, float* red, float eps) {
   float ss = 0.f;
   for (int c = threadIdx.x; c < H / 8; c += kThreads) ss = nq::sumsq8(__ldcg(reinterpret_cast<const uint4*>(x) + c), ss);
-  return 1.0f / sqrtf(block_sum(ss, red) / (float)H + eps);
+  return rms_inv_of(ss, red, eps);
 }
 // y = fp16(x * r * w) for the 8 halves of chunk c.
 __device__ __forceinline__ uint4 norm_chunk(const half* x, const half* w, float r, int c) {
@@ -464,7 +468,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
         xv = __ldcg(reinterpret_cast<const uint4*>(act) + ch);
         wv = __ldg(reinterpret_cast<const uint4*>(norm_w) + ch);
       }
-      const float rinv = 1.0f / sqrtf(block_sum(ch < H / 8 ? nq::sumsq8(xv, 0.f) : 0.f, red) / (float)H + c.eps);
+      const float rinv = rms_inv_of(ch < H / 8 ? nq::sumsq8(xv, 0.f) : 0.f, red, c.eps);
       if (ch < H / 8 && lc >= 0 && lc < u.ng * (NQ_GROUP_SIZE / 8))
         *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(lc)) = nq::rmsnorm8(xv, wv, rinv);
     } else if (kStage == ST_NORM) {
@@ -1109,8 +1113,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   begin_instruction(c);
   __syncthreads();   // all threads: this CTA is done
   if (threadIdx.x == 0) {
-    if (arrive_last(c.sync + kDone, (unsigned)c.grid))
-    {
+    if (arrive_last(c.sync + kDone, (unsigned)c.grid)) {
       for (int i = 0; i <= kDone; ++i) c.sync[i] = 0u;   // (the next launch sees them: kernel boundary)
       if (kAttnMergeAll)
         for (int i = 0; i < num_layers * KVH; ++i) ptr<unsigned>(tab, T_ATTN_CNT)[i] = 0u;

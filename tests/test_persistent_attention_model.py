@@ -18,9 +18,10 @@ F32 = np.float32
 
 
 SMS = config.load().engine.persistent["sms"]
+KVH_7B = config.load().models["7b"].num_kv_heads
 
 
-def splits_of(n: int, max_splits: int, min_tokens: int, grid: int = SMS, kv_heads: int = 4) -> int:
+def splits_of(n: int, max_splits: int, min_tokens: int, grid: int = SMS, kv_heads: int = KVH_7B) -> int:
     """The kernel's count: at most max_splits and a CTA of the grid per split of each KV head,
     at least min_tokens tokens a split."""
     return min(max_splits, grid // kv_heads, max(1, -(-n // min_tokens)))
@@ -79,7 +80,7 @@ def lanes_part(q, k, v, tokens):
     return acc, m, p.sum(axis=1, dtype=F32)
 
 
-def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=4, lanes=False):
+def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=KVH_7B, lanes=False):
     """The instruction for one KV head: q [gqa, D], k, v [n, D] -> [gqa, D], plus the tokens
     each (split, warp) touched. lanes: NQ_PD_ATTN_LANES (a split of <= 32 tokens by lanes)."""
     n = k.shape[0]

@@ -23,19 +23,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 V7 = "NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32"   # v7's attention and norm
 S32 = "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16"
+P3 = ",NQ_PD_ATTN_PRE=3"                                 # 3 K/V rows before attention's wait (the default then)
 DEFAULT = ";".join([                                     # PERFLOG "Persistent decode v8"
-    V7,
-    "NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0," + S32,
-    "NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32",   # every split merges a slice
-    "NQ_PD_NORM_1PASS=0",
-    "NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32",   # the norm in one pass
-    "",                                                  # v8 (nanoqwen.yaml): both, 32 splits
-    "NQ_PD_SELF_PREFETCH=8",                             # gate_up's and down's own blocks into L2 first
-    "NQ_PD_SELF_PREFETCH=24",
-    "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1",                 # down without split-K: no fold, 1-2 tiles a CTA
-    "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2",
-    "NQ_PD_QKV_TG=66,NQ_PD_QKV_KS=2",                    # qkv: 4-5 tiles x half of K, a fold
-    "NQ_PD_ATTN_PRE=2",
+    V7 + P3,
+    "NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0," + S32 + P3,
+    "NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32" + P3,   # every split merges a slice
+    "NQ_PD_NORM_1PASS=0" + P3,
+    "NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32" + P3,   # the norm in one pass
+    P3[1:],                                              # both, 32 splits
+    "NQ_PD_SELF_PREFETCH=8" + P3,                        # gate_up's and down's own blocks into L2 first
+    "NQ_PD_SELF_PREFETCH=24" + P3,
+    "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1" + P3,            # down without split-K: no fold, 1-2 tiles a CTA
+    "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2" + P3,
+    "NQ_PD_QKV_TG=66,NQ_PD_QKV_KS=2" + P3,               # qkv: 4-5 tiles x half of K, a fold
+    "",                                                  # nanoqwen.yaml: 2 rows before the wait
 ])
 
 
@@ -139,7 +140,7 @@ def main() -> int:
     print(format_summary(summary))
     cp.cuda.Device().synchronize()
     if a.json:
-        a.json.write_text(json.dumps({"rows": rows, "fastest": best[:2], "timeline": summary}, indent=1,
+        a.json.write_text(json.dumps({"steps": a.steps, "rows": rows, "fastest": best[:2], "timeline": summary}, indent=1,
                                      default=str))
     return 0
 

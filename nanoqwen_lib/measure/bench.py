@@ -203,14 +203,16 @@ VARIANTS_RECORD = PERSISTENT_RECORD.with_name("persistent-variants.json")
 def persistent_variants(path=VARIANTS_RECORD) -> list[dict]:
     """The persistent kernel's measured variants (tools/bench_persistent.py --timelines
     --json, several runs): one dict per row with run (its commit), baseline (what the run's
-    other rows change), label, ms, same_tokens and exposed_ms (kind -> ms of one token,
-    RECORD_KINDS). A row that lacks a field is refused,
+    other rows change), steps (timed, and compared with the run's first row), label, ms,
+    same_tokens and exposed_ms (kind -> ms of one token, RECORD_KINDS). A row that lacks a field is refused,
     naming the file, the row and the field."""
     from nanoqwen_lib.errors import NanoqwenError
     path = Path(path)
     r = json.loads(path.read_text())
     out = []
     for i, run in enumerate(r.get("runs") or []):
+        if not isinstance(run.get("steps"), int) or run["steps"] < 1:
+            raise NanoqwenError(str(path), f"runs[{i}].steps", "the steps each row timed (>= 1)", repr(run.get("steps")))
         for j, row in enumerate(run.get("rows") or []):
             where = f"runs[{i}].rows[{j}]"
             for field in ("label", "ms", "same_tokens", "exposed_ms"):
@@ -219,7 +221,7 @@ def persistent_variants(path=VARIANTS_RECORD) -> list[dict]:
             missing = [k for k in RECORD_KINDS if k not in row["exposed_ms"]]
             if missing:
                 raise NanoqwenError(str(path), f"{where}.exposed_ms", ", ".join(RECORD_KINDS), "no " + ", ".join(missing))
-            out.append({"run": run.get("commit", "?"), "baseline": run.get("baseline", ""),
+            out.append({"run": run.get("commit", "?"), "baseline": run.get("baseline", ""), "steps": run["steps"],
                         **{k: row[k] for k in ("label", "ms", "same_tokens", "exposed_ms")}})
     if not out:
         raise NanoqwenError(str(path), "runs", "at least one run with rows", "none")
