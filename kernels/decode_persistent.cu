@@ -51,7 +51,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_DOWN_DEFER=1
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -88,6 +88,9 @@
 #endif
 #ifndef NQ_PD_NORM_1PASS
 #error "NQ_PD_NORM_1PASS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_DOWN_DEFER
+#error "NQ_PD_DOWN_DEFER: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_SELF_PREFETCH
 #error "NQ_PD_SELF_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -158,7 +161,7 @@ static_assert(H % 8 == 0, "rows of 16-byte chunks");
 enum Tab {
   T_EMBED, T_NORM, T_LM_HEAD, T_LOGITS, T_SCALARS, T_BLOCK_TABLE, T_FREE_PAGES, T_GENERATED,
   T_X, T_QKV, T_ATTN, T_GATE_UP, T_SYNC, T_WS, T_TILE_CNT, T_ATTN_WS, T_ATTN_CNT,
-  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_PROBE, T_GRID, T_GLOBALS
+  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_PROBE, T_GRID, T_WS_DOWN, T_GLOBALS
 };
 enum LayerTab { L_QKV, L_O, L_GATE_UP, L_DOWN, L_LN1, L_LN2, L_QKV_BIAS, L_K, L_V, L_FIELDS };
 constexpr int kLayerBase = 32, kLayerStride = 16;
@@ -176,6 +179,15 @@ constexpr Gemv kQkv{QKV_DIM, H, NQ_PD_QKV_TG, NQ_PD_QKV_KS};
 constexpr Gemv kO{H, Q_DIM, NQ_PD_O_TG, NQ_PD_O_KS};
 constexpr Gemv kGateUp{2 * I, H, NQ_PD_GU_TG, NQ_PD_GU_KS};
 constexpr Gemv kDown{H, I, NQ_PD_DOWN_TG, NQ_PD_DOWN_KS};
+// [pd-down-defer]
+// down split over K (KS > 1) ends in a fold: each unit stores its slice, the last of a tile set
+// to arrive adds them to x. That is two more L2 round trips (the arrival, the slices) on the
+// chain between down and the next qkv. Deferred (NQ_PD_DOWN_DEFER, when another layer follows in
+// the launch): down's units store their slices to WS_DOWN and signal; the next qkv's norm staging
+// adds them to x (every CTA, its chunk a thread, in the loads it already makes) and o_proj's
+// epilogue adds them to its rows' residual, where it writes x. Same sums in the same order: the
+// same bits. x is complete at the end of every launch (its last layer folds as before).
+constexpr bool kDownDefer = NQ_PD_DOWN_DEFER != 0 && kDown.KS > 1 && kNormOnePass;
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int max2(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int x_bytes(Gemv m) { return ceil_div(m.K / NQ_GROUP_SIZE, m.KS) * nqs3::kXGroupBytes; }
@@ -264,6 +276,7 @@ struct Ctx {
   int* s_pages;             // attention: this CTA's split's pages, once read (shared memory)
   const long long* lt;      // this layer's table row
   const long long* lt_next; // the next layer's (null after the last layer run)
+  bool x_pending;           // [pd-down-defer]: the last down's K slices are in WS_DOWN, not yet in x
   int prev;                 // counter the next instruction waits on (-1: none)
   unsigned prev_target;
   long long* tl;            // this CTA's timeline rows (diagnostic build) or null
@@ -349,6 +362,31 @@ __device__ __forceinline__ float rms_inv(const half* x, float* red, float eps) {
 // y = fp16(x * r * w) for the 8 halves of chunk c.
 __device__ __forceinline__ uint4 norm_chunk(const half* x, const half* w, float r, int c) {
   return nq::rmsnorm8(__ldcg(reinterpret_cast<const uint4*>(x) + c), __ldg(reinterpret_cast<const uint4*>(w) + c), r);
+}
+
+// [pd-down-defer] x's chunk c (8 rows) with down's slices added: fp16(x + (ws[0] + ws[1] + ...)),
+// the fold's arithmetic (gemv's epilogue below), row by row.
+__device__ __forceinline__ uint4 fold_chunk(uint4 xv, const float* ws, int c) {
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < kDown.KS; ++s) {
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(ws + (size_t)s * H + 8 * c));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(ws + (size_t)s * H + 8 * c + 4));
+    v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w; v[4] += b.x; v[5] += b.y; v[6] += b.z; v[7] += b.w;
+  }
+  half* xh = reinterpret_cast<half*>(&xv);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) xh[i] = __float2half_rn(__half2float(xh[i]) + v[i]);
+  return xv;
+}
+// ... and one row's (o_proj's residual): x[row] with the slices added, as a float
+__device__ __forceinline__ float fold_row(float x, const float* ws, int row) {
+  float v = 0.f;
+#pragma unroll
+  for (int s = 0; s < kDown.KS; ++s) v += __ldcg(ws + (size_t)s * H + row);
+  return __half2float(__float2half_rn(x + v));
 }
 
 // ---- GEMV instructions ------------------------------------------------------------------
@@ -453,9 +491,17 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   if (kind == K_QKV) probe(c, layer, 0);
   wait_inputs(c);
   if (kind == K_QKV) probe(c, layer, 1);
+  // [pd-down-defer]: this down leaves its slices in WS_DOWN (another layer follows in the launch);
+  // this qkv or o_proj adds the last down's
+  const bool defer = kDownDefer && kind == K_DOWN && c.lt_next != nullptr;
+  const bool add_down = kDownDefer && c.x_pending && (kind == K_QKV || kind == K_O);
+  const float* ws_down = kDownDefer ? ptr<const float>(c.tab, T_WS_DOWN) : nullptr;
   float resid = 0.f;                                   // in flight with the staging's loads
-  const bool resid_live = kEpi == EP_RESIDUAL && row_live(my_row);
-  if (resid_live) resid = __half2float(__ldcg(out + my_row));
+  const bool resid_live = kEpi == EP_RESIDUAL && !defer && row_live(my_row);
+  if (resid_live) {
+    resid = __half2float(__ldcg(out + my_row));
+    if (add_down) resid = fold_row(resid, ws_down, my_row);
+  }
 
   // Stage the unit's groups of the input into shared memory (padded), then the folds.
   if (u.live) {
@@ -467,6 +513,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       if (ch < H / 8) {
         xv = __ldcg(reinterpret_cast<const uint4*>(act) + ch);
         wv = __ldg(reinterpret_cast<const uint4*>(norm_w) + ch);
+        if (add_down) xv = fold_chunk(xv, ws_down, ch);   // [pd-down-defer]
       }
       const float rinv = rms_inv_of(ch < H / 8 ? nq::sumsq8(xv, 0.f) : 0.f, red, c.eps);
       if (ch < H / 8 && lc >= 0 && lc < u.ng * (NQ_GROUP_SIZE / 8))
@@ -561,10 +608,10 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       if (kEpi == EP_RESIDUAL) v = sepi[threadIdx.x] + v;
       out[my_row] = __float2half_rn(v);
     } else {
-      __stcg(ptr<float>(c.tab, T_WS) + (size_t)u.ks * N + my_row, v);
+      __stcg(ptr<float>(c.tab, defer ? T_WS_DOWN : T_WS) + (size_t)u.ks * N + my_row, v);
     }
   }
-  if (KS > 1) {
+  if (KS > 1 && !defer) {
     __syncthreads();   // all threads: the slice is stored
     if (threadIdx.x == 0) {
       is_last = 0;
@@ -584,6 +631,8 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       if (threadIdx.x == 0) ptr<int>(c.tab, T_TILE_CNT)[u.tg] = 0;   // ready for the next use
     }
   }
+  if (kind == K_O) c.x_pending = false;             // x is whole again (o_proj wrote it)
+  if (kind == K_DOWN) c.x_pending = defer;
   signal_done(c, idx, layer, kind, c.grid);
   if (kind == K_QKV) probe(c, layer, 4);
 }
@@ -1040,6 +1089,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   c.s_pages = s_pages;
   c.prev = -1;
   c.prev_target = 0;
+  c.x_pending = false;
   c.tl = NQ_PD_TIMELINE ? ptr<long long>(tab, T_TIMELINE) + (size_t)blockIdx.x * (5 * num_layers + 3) * 4 : nullptr;
   c.tl_n = 0;
   c.t_begin = c.t_ready = 0;

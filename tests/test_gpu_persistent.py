@@ -7,6 +7,8 @@ weights  the layout-3 copies equal the file's layout-1 words and scales; a file 
 graph    its tokens equal the kernel-per-op step's up to near-ties (teacher-forced on the
          graph's tokens)
 timeline the diagnostic build records every instruction of every CTA
+defer    down's K slices added by the next qkv and o_proj ([pd-down-defer]) give the same
+         bits as down's own fold
 hang     a launch whose CTAs cannot all be resident ends with the timeout error instead of
          hanging the device (every wait has NQ_PD_TIMEOUT_MS)
 """
@@ -97,6 +99,34 @@ def test_persistent_equals_graph_up_to_near_ties_7b(file_7b):
             assert gap < gap_max, f"step {i}: persistent {got}, graph {ids[i + 1]}, logit gap {gap:.3f}"
             ties += 1
     print(f"persistent vs graph: 129 steps, {ties} near-ties")
+
+
+def test_deferred_down_fold_gives_the_same_bits():
+    """[pd-down-defer]: tiny's down split over K (2 slices, so there is a fold), once folded by
+    down and once added by the next layer's qkv and o_proj: the same tokens and bitwise the
+    same logits at every step; only the deferred build leaves its slices in WS_DOWN."""
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.gpu.persistent import PersistentStep
+    f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
+    assert f.dims.num_layers >= 2                        # a layer after the first: the fold deferred
+    eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False)
+    prompt = prompt_ids(np.random.default_rng(11), 23)
+    runs = []
+    for defer in (0, 1):
+        eng.pd = PersistentStep(eng, defines={"NQ_PD_DOWN_TG": 28, "NQ_PD_DOWN_KS": 2, "NQ_PD_DOWN_DEFER": defer})
+        assert eng.pd.plan["NQ_PD_DOWN_KS"] == 2
+        eng.pd.buf["WS_DOWN"].fill(0)
+        toks, logits = [eng.prefill(prompt)], []
+        for _ in range(12):
+            toks.append(eng.decode(toks[-1]))
+            logits.append(eng.logits().get())
+        runs.append((toks, np.stack(logits), float(abs(eng.pd.buf["WS_DOWN"]).sum().get())))
+    (t0, l0, w0), (t1, l1, w1) = runs
+    assert w0 == 0.0 and w1 > 0.0
+    assert t0 == t1
+    assert np.isfinite(l0).all() and np.array_equal(l0.view(np.uint32), l1.view(np.uint32))
 
 
 def test_timeline_build_records_every_instruction():

@@ -220,3 +220,21 @@ def test_persistent_variants_refuse_a_row_without_a_field(tmp_path):
     bad.write_text(json.dumps({"runs": []}))
     with pytest.raises(NanoqwenError, match="runs"):
         bench.persistent_variants(bad)
+
+
+def test_spread_against_the_instructions_before():
+    """synthetic(): instruction i on CTA g is ready at 1000 i + 100 + 15 g and ends at
+    1000 i + 600 + 30 g, so instruction i - 1 last ended at 1000 (i - 1) + 810 (CTA 7), except
+    begin, whose last end is CTA 3's 2190 (qkv 0 is ready before it: a negative time)."""
+    sp = tl.spread(tl.events_from_buffer(synthetic()))
+    assert "begin" not in sp and sp["qkv"]["count"] == 2 and sp["lm_head"]["count"] == 1
+    a = sp["down"]                                   # i = 5 and 10: the same times after prev
+    assert a["ready_first"] == 1000 + 100 - 810
+    assert a["ready_median"] == 1000 + 100 + 15 * 3.5 - 810
+    assert a["busy_median"] == 500 + 15 * 3.5
+    assert a["end_median"] == 1000 + 600 + 30 * 3.5 - 810 and a["end_last"] == 1000 + 600 + 210 - 810
+    assert a["tail"] == 210 - 30 * 3.5
+    q = sp["qkv"]                                    # i = 1 (prev 2190) and i = 6 (prev 5810)
+    assert q["ready_first"] == np.median([1100 - 2190, 6100 - 5810])
+    text = tl.format_spread(sp)
+    assert text.splitlines()[1].split()[0] == "kind" and "down" in text

@@ -5,10 +5,10 @@ prompt is prefilled again, and STEPS steps are timed with CUDA events between la
 fastest variant (with --timelines: of every variant, one line each), against each
 instruction's byte floor.
 
-    python tools/bench_persistent.py [--model 7b] [--steps 64] [--variants 'A=1,B=2;C=3'] [--timelines] [--json out.json]
+    python tools/bench_persistent.py [--model 7b] [--steps 64] [--variants 'A=1,B=2;C=3'] [--timelines [--spread]] [--json out.json]
 
 The default variants are the ones PERFLOG.md's latest persistent rows were measured with;
-`--variants next` runs the ones its "Next" names (NEXT below).
+`--variants v8` the v8 rows, `--variants next` the ones v8's "Next" named (SETS below).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 V7 = "NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32"   # v7's attention and norm
 S32 = "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16"
-P3 = ",NQ_PD_ATTN_PRE=3"                                 # 3 K/V rows before attention's wait (the default then)
-DEFAULT = ";".join([                                     # PERFLOG "Persistent decode v8"
+P3 = ",NQ_PD_ATTN_PRE=3,NQ_PD_ATTN_LANES=0"              # v8's time: 3 K/V rows before attention's wait, a warp a token
+V8 = ";".join([                                          # PERFLOG "Persistent decode v8" (--variants v8)
     V7 + P3,
     "NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0," + S32 + P3,
     "NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32" + P3,   # every split merges a slice
@@ -36,13 +36,15 @@ DEFAULT = ";".join([                                     # PERFLOG "Persistent d
     "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1" + P3,            # down without split-K: no fold, 1-2 tiles a CTA
     "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2" + P3,
     "NQ_PD_QKV_TG=66,NQ_PD_QKV_KS=2" + P3,               # qkv: 4-5 tiles x half of K, a fold
-    "",                                                  # nanoqwen.yaml: 2 rows before the wait
+    "NQ_PD_ATTN_LANES=0",                                # 2 rows before the wait
 ])
-
-
-NEXT = ";".join([                                        # attention by lanes ([pd-attn-lanes]; each twice)
-    "", "NQ_PD_ATTN_LANES=1", "", "NQ_PD_ATTN_LANES=1",
+DEFAULT = ";".join([                                     # PERFLOG "Persistent decode v9"
+    "", "NQ_PD_DOWN_DEFER=1", "", "NQ_PD_DOWN_DEFER=1",  # down's fold deferred ([pd-down-defer]), twice
 ])
+NEXT = ";".join([                                        # PERFLOG v8's next: attention by lanes, twice
+    "NQ_PD_ATTN_LANES=0", "", "NQ_PD_ATTN_LANES=0", "",
+])
+SETS = {"v8": V8, "next": NEXT}
 
 
 def parse(spec: str) -> list[dict]:
@@ -88,20 +90,22 @@ def main() -> int:
     ap.add_argument("--probe", type=int, default=0,
                     help="also: layer whose qkv and attention stamp their steps (NQ_PD_PROBE build), printed per point")
     ap.add_argument("--timelines", action="store_true", help="a timeline of every variant, one line each")
+    ap.add_argument("--spread", action="store_true",
+                    help="with --timelines: when each kind's CTAs get ready and finish (measure.timeline.spread)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     import cupy as cp
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.gpu.persistent import PersistentStep
-    from nanoqwen_lib.measure.timeline import format_summary, timeline_token
+    from nanoqwen_lib.measure.timeline import format_spread, format_summary, spread, timeline_token
     from nanoqwen_lib.measure.timing import events_between, intervals_ms
     from nanoqwen_lib.synthetic.packed import packed_synthetic_direct
     f = NanoqwenFile.open(packed_synthetic_direct(a.model, seed=0), verify_payload=False)
     eng = GpuBackend(f, max_tokens=a.prompt_tokens + a.steps + 64, graphs=False, decode="persistent")
     prompt = np.random.default_rng(0).integers(0, 151643, a.prompt_tokens).tolist()
     rows, ref_tokens, best = [], None, None
-    for v in parse(NEXT if a.variants == "next" else a.variants):
+    for v in parse(SETS.get(a.variants, a.variants)):
         try:
             eng.pd = PersistentStep(eng, defines=v)
         except Exception as e:                                  # a variant that does not build or fit
@@ -124,7 +128,11 @@ def main() -> int:
               flush=True)
         summary = None
         if a.timelines:
-            summary = timeline_token(eng, prompt, steps=4)["summary"]
+            tl = timeline_token(eng, prompt, steps=4, keep_events=a.spread)
+            summary = tl["summary"]
+            if a.spread:
+                rows[-1]["spread"] = spread(tl["events"])
+                print(format_spread(rows[-1]["spread"]), flush=True)
             rows[-1]["exposed_ms"] = {k: r["exposed_ns"] / 1e6 for k, r in summary["kinds"].items()}
             print("    exposed ms: " + "  ".join(f"{k} {r['exposed_ns'] / 1e6:.3f}" for k, r in summary["kinds"].items()),
                   flush=True)

@@ -22,7 +22,8 @@ TUNING = load().tuning[KERNEL].defines
 # The pointer table's order (decode_persistent.cu enum Tab and enum LayerTab, same names).
 TAB_GLOBALS = ("EMBED", "NORM", "LM_HEAD", "LOGITS", "SCALARS", "BLOCK_TABLE", "FREE_PAGES", "GENERATED",
                "X", "QKV", "ATTN", "GATE_UP", "SYNC", "WS", "TILE_CNT", "ATTN_WS", "ATTN_CNT",
-               "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES", "PROBE", "GRID")
+               "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES", "PROBE", "GRID",
+               "WS_DOWN")
 TAB_LAYER = ("QKV", "O", "GATE_UP", "DOWN", "LN1", "LN2", "QKV_BIAS", "K", "V")
 LAYER_BASE, LAYER_STRIDE = 32, 16
 MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, in order
@@ -107,6 +108,7 @@ class PersistentStep:
         self.buf = {
             "SYNC": cp.zeros(instructions(L), cp.uint32),
             "WS": cp.zeros(ws_rows, cp.float32),
+            "WS_DOWN": cp.zeros(self.plan["NQ_PD_DOWN_KS"] * dims.hidden, cp.float32),   # [pd-down-defer]
             "TILE_CNT": cp.zeros(max(self.plan[f"NQ_PD_{m}_TG"] for m in ("QKV", "O", "GU", "DOWN")), cp.int32),
             "ATTN_WS": cp.zeros(dims.num_kv_heads * t["NQ_PD_ATTN_SPLITS"] * gqa * (dims.head_dim + 2),
                                 cp.float32),

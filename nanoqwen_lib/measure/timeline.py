@@ -198,6 +198,44 @@ def summarize(events, floor_ns_by_kind: dict[str, float] | None = None) -> dict:
             "total_ns": int(ev["t_end"].max() - ev["t_begin"].min()), "kinds": kinds}
 
 
+def spread(events) -> dict:
+    """When the CTAs of each instruction become ready and finish, against the moment the
+    instructions before it are all done (prev: the latest t_end of every earlier code), by
+    kind, the median over its instructions (layers) of, in ns:
+        ready_first, ready_median   min and median over CTAs of t_ready - prev
+        busy_median                 median over CTAs of t_end - t_ready
+        end_median, end_last        median and max over CTAs of t_end - prev
+        tail                        end_last - end_median: what the slowest CTA adds
+    The first instruction of the token (nothing before it) is left out. events:
+    events_from_buffer's array, or the raw buffer."""
+    ev = _as_events(events)
+    codes = np.unique(ev["code"])
+    rows: dict[str, list] = {}
+    prev = None
+    for c in codes:
+        mine = ev[ev["code"] == c]
+        if prev is not None:
+            r, e = mine["t_ready"] - prev, mine["t_end"] - prev
+            rows.setdefault(KINDS[c % CODE_STRIDE], []).append(
+                (r.min(), np.median(r), np.median(mine["t_end"] - mine["t_ready"]), np.median(e), e.max(),
+                 e.max() - np.median(e)))
+        end = int(mine["t_end"].max())
+        prev = end if prev is None else max(prev, end)
+    names = ("ready_first", "ready_median", "busy_median", "end_median", "end_last", "tail")
+    return {k: {"count": len(v), **{n: float(x) for n, x in zip(names, np.median(np.array(v, float), axis=0))}}
+            for k, v in rows.items()}
+
+
+def format_spread(sp: dict) -> str:
+    """spread's result as a table, us."""
+    lines = ["per kind, median over its instructions; us from the moment the instructions before it are done",
+             f"{'kind':<12}{'ready first':>12}{'ready med':>11}{'busy med':>10}{'end med':>9}{'end last':>10}{'tail':>7}"]
+    for k, r in sp.items():
+        lines.append(f"{k:<12}{r['ready_first'] / 1e3:>12.2f}{r['ready_median'] / 1e3:>11.2f}{r['busy_median'] / 1e3:>10.2f}"
+                     f"{r['end_median'] / 1e3:>9.2f}{r['end_last'] / 1e3:>10.2f}{r['tail'] / 1e3:>7.2f}")
+    return "\n".join(lines)
+
+
 def format_summary(s: dict) -> str:
     """summarize's result as a table: one row per kind, then the token (its time, the sum of
     the floors given and the time above them)."""
