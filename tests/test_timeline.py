@@ -234,7 +234,25 @@ def test_spread_against_the_instructions_before():
     assert a["busy_median"] == 500 + 15 * 3.5
     assert a["end_median"] == 1000 + 600 + 30 * 3.5 - 810 and a["end_last"] == 1000 + 600 + 210 - 810
     assert a["tail"] == 210 - 30 * 3.5
+    assert a["cta_lag"] == 210 - 30 * 3.5              # CTA 7 is the latest every time: its lag
     q = sp["qkv"]                                    # i = 1 (prev 2190) and i = 6 (prev 5810)
     assert q["ready_first"] == np.median([1100 - 2190, 6100 - 5810])
     text = tl.format_spread(sp)
     assert text.splitlines()[1].split()[0] == "kind" and "down" in text
+
+
+def test_spread_tells_a_late_cta_from_noise():
+    """cta_lag: with the same CTA 1000 ns late in every gate_up it is that lag; with a
+    different CTA late in each, the tail is the same but no CTA is late as a rule (0)."""
+    def gate_ups(late_cta):                              # 6 gate_ups on 8 CTAs, 1000 ns apart
+        buf = np.full((G, 6, 4), -1, np.int64)
+        for g in range(G):
+            for layer in range(6):
+                b = T0 + 1000 * layer
+                buf[g, layer] = (tl.code_of(layer, "gate_up"), b, b + 50, b + 600 + (300 if g == late_cta(layer) else 0))
+        return buf
+    steady = tl.spread(gate_ups(lambda layer: 7))["gate_up"]
+    noisy = tl.spread(gate_ups(lambda layer: layer))["gate_up"]
+    assert steady["count"] == noisy["count"] == 5         # the first instruction has nothing before it
+    assert steady["tail"] == noisy["tail"] == 300
+    assert steady["cta_lag"] == 300 and noisy["cta_lag"] == 0

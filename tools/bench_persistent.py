@@ -133,6 +133,8 @@ def main() -> int:
             if a.spread:
                 rows[-1]["spread"] = spread(tl["events"])
                 print(format_spread(rows[-1]["spread"]), flush=True)
+                print("    a CTA late every time (cta_lag, us): " + "  ".join(
+                    f"{k} {r['cta_lag'] / 1e3:.2f}" for k, r in rows[-1]["spread"].items()), flush=True)
             rows[-1]["exposed_ms"] = {k: r["exposed_ns"] / 1e6 for k, r in summary["kinds"].items()}
             print("    exposed ms: " + "  ".join(f"{k} {r['exposed_ns'] / 1e6:.3f}" for k, r in summary["kinds"].items()),
                   flush=True)

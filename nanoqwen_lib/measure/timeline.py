@@ -206,23 +206,31 @@ def spread(events) -> dict:
         busy_median                 median over CTAs of t_end - t_ready
         end_median, end_last        median and max over CTAs of t_end - prev
         tail                        end_last - end_median: what the slowest CTA adds
+    and, over the kind's instructions together, cta_lag: the largest over CTAs of a CTA's
+    median lateness (t_end - the instruction's median end). Near the tail, the same SMs are
+    late every time (a pace of their own); near 0, the late ones change (noise).
     The first instruction of the token (nothing before it) is left out. events:
     events_from_buffer's array, or the raw buffer."""
     ev = _as_events(events)
     codes = np.unique(ev["code"])
     rows: dict[str, list] = {}
+    late: dict[str, dict[int, list]] = {}
     prev = None
     for c in codes:
         mine = ev[ev["code"] == c]
         if prev is not None:
+            kind = KINDS[c % CODE_STRIDE]
             r, e = mine["t_ready"] - prev, mine["t_end"] - prev
-            rows.setdefault(KINDS[c % CODE_STRIDE], []).append(
+            rows.setdefault(kind, []).append(
                 (r.min(), np.median(r), np.median(mine["t_end"] - mine["t_ready"]), np.median(e), e.max(),
                  e.max() - np.median(e)))
+            for cta, lag in zip(mine["cta"].tolist(), (e - np.median(e)).tolist()):
+                late.setdefault(kind, {}).setdefault(cta, []).append(lag)
         end = int(mine["t_end"].max())
         prev = end if prev is None else max(prev, end)
     names = ("ready_first", "ready_median", "busy_median", "end_median", "end_last", "tail")
-    return {k: {"count": len(v), **{n: float(x) for n, x in zip(names, np.median(np.array(v, float), axis=0))}}
+    return {k: {"count": len(v), **{n: float(x) for n, x in zip(names, np.median(np.array(v, float), axis=0))},
+                "cta_lag": float(max(np.median(x) for x in late[k].values()))}
             for k, v in rows.items()}
 
 
