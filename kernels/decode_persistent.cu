@@ -51,7 +51,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_DOWN_DEFER=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -143,6 +143,13 @@ constexpr bool kAttnMergeAll = NQ_PD_ATTN_MERGE != 0;   // every split merges a 
 // attention: a split of at most 32 tokens as a warp per query head and a lane per token
 // ([pd-attn-lanes]; longer splits take the warp-per-token path)
 constexpr bool kAttnLanes = NQ_PD_ATTN_LANES != 0;
+// ... its arithmetic (lab, 2 and 3): 2, the P.V loop unrolled over all 32 lanes (a lane past the
+// split's tokens has p = 0 and reads the last token's row: fma(0, v, acc) = acc, the same bits
+// as 1); 3, also each score in 4 interleaved chains instead of one (other bits)
+constexpr bool kLanePvUnroll = NQ_PD_ATTN_LANES >= 2;
+constexpr int kLaneChains = NQ_PD_ATTN_LANES >= 3 ? 4 : 1;
+static_assert(NQ_PD_ATTN_LANES >= 0 && NQ_PD_ATTN_LANES <= 3, "NQ_PD_ATTN_LANES: 0, 1, 2 or 3");
+static_assert((D / 2) % kLaneChains == 0, "score chains divide the half2 pairs");
 static_assert(!kAttnLanes || kAttnMergeAll, "[pd-attn-lanes] stores each head's part for the slice merge");
 static_assert(!kAttnLanes || 2 * 32 * D * 2 <= kWarps * GQA * (D + 2) * 4, "[pd-attn-lanes]: K and V rows fit the partials buffer");
 // ST_NORM in one pass over x (a chunk a thread: x of at most kThreads chunks), else two
@@ -816,15 +823,21 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     if (mine) {
       const half2* q2 = reinterpret_cast<const half2*>(qh + h * D);
       const half2* k2 = reinterpret_cast<const half2*>(j == n - 1 ? kh : ks + lane * D);
-      float d = 0.f;
-#pragma unroll 8
-      for (int i = 0; i < D / 2; ++i) {
-        const int c2 = (i + lane) & (D / 2 - 1);
-        const float2 qf = __half22float2(q2[c2]), kf = __half22float2(k2[c2]);
-        d = fmaf(qf.x, kf.x, d);
-        d = fmaf(qf.y, kf.y, d);
+      float d[kLaneChains];
+#pragma unroll
+      for (int ci = 0; ci < kLaneChains; ++ci) d[ci] = 0.f;
+#pragma unroll 8 / kLaneChains
+      for (int i0 = 0; i0 < D / 2; i0 += kLaneChains) {
+#pragma unroll
+        for (int ci = 0; ci < kLaneChains; ++ci) {   // pair i0 + ci into chain ci
+          const int c2 = (i0 + ci + lane) & (D / 2 - 1);
+          const float2 qf = __half22float2(q2[c2]), kf = __half22float2(k2[c2]);
+          d[ci] = fmaf(qf.x, kf.x, d[ci]);
+          d[ci] = fmaf(qf.y, kf.y, d[ci]);
+        }
       }
-      sc = d * rsqrtf((float)D);
+      const float dsum = kLaneChains == 1 ? d[0] : (d[0] + d[kLaneChains / 4]) + (d[kLaneChains / 2] + d[3 * kLaneChains / 4]);
+      sc = dsum * rsqrtf((float)D);
     }
     float m = sc;
     for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -834,11 +847,22 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     float acc[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.f;
-    for (int t = 0; t < ntok; ++t) {
-      const float pt = __shfl_sync(0xffffffffu, p, t);
-      const half* vr = (j0 + t == n - 1 ? vh : vs + t * D) + lane * E;
+    if (kLanePvUnroll) {
 #pragma unroll
-      for (int e = 0; e < E; ++e) acc[e] = fmaf(pt, __half2float(vr[e]), acc[e]);
+      for (int t = 0; t < 32; ++t) {                   // no loop-carried branch: shuffles and loads run ahead
+        const float pt = __shfl_sync(0xffffffffu, p, t);
+        const int tt = min(t, ntok - 1);               // past the tokens: p = 0 times a real row
+        const half* vr = (j0 + tt == n - 1 ? vh : vs + tt * D) + lane * E;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = fmaf(pt, __half2float(vr[e]), acc[e]);
+      }
+    } else {
+      for (int t = 0; t < ntok; ++t) {
+        const float pt = __shfl_sync(0xffffffffu, p, t);
+        const half* vr = (j0 + t == n - 1 ? vh : vs + t * D) + lane * E;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = fmaf(pt, __half2float(vr[e]), acc[e]);
+      }
     }
     if (splits == 1) {
       half* out = ptr<half>(c.tab, T_ATTN) + (g * GQA + h) * D + lane * E;

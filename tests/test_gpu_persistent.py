@@ -9,6 +9,8 @@ graph    its tokens equal the kernel-per-op step's up to near-ties (teacher-forc
 timeline the diagnostic build records every instruction of every CTA
 defer    down's K slices added by the next qkv and o_proj ([pd-down-defer]) give the same
          bits as down's own fold
+lanes    the lane path's unrolled P.V (NQ_PD_ATTN_LANES=2) gives the bits of 1; the scores in
+         4 chains (3) part from it at near-ties only
 hang     a launch whose CTAs cannot all be resident ends with the timeout error instead of
          hanging the device (every wait has NQ_PD_TIMEOUT_MS)
 """
@@ -101,32 +103,61 @@ def test_persistent_equals_graph_up_to_near_ties_7b(file_7b):
     print(f"persistent vs graph: 129 steps, {ties} near-ties")
 
 
+def _decode_bits(eng, defines, prompt, steps=12):
+    """eng's step rebuilt with `defines`: greedy tokens from prompt and every step's logits."""
+    from nanoqwen_lib.gpu.persistent import PersistentStep
+    eng.pd = PersistentStep(eng, defines=defines)
+    toks, logits = [eng.prefill(prompt)], []
+    for _ in range(steps):
+        toks.append(eng.decode(toks[-1]))
+        logits.append(eng.logits().get())
+    return toks, np.stack(logits)
+
+
+def _tiny_engine():
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
+    return f, GpuBackend(f, max_tokens=256, decode="persistent", graphs=False)
+
+
 def test_deferred_down_fold_gives_the_same_bits():
     """[pd-down-defer]: tiny's down split over K (2 slices, so there is a fold), once folded by
     down and once added by the next layer's qkv and o_proj: the same tokens and bitwise the
     same logits at every step; only the deferred build leaves its slices in WS_DOWN."""
-    from nanoqwen_lib.synthetic.packed import packed_synthetic
-    from nanoqwen_lib.format.weightfile import NanoqwenFile
-    from nanoqwen_lib.gpu.engine import GpuBackend
-    from nanoqwen_lib.gpu.persistent import PersistentStep
-    f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
+    f, eng = _tiny_engine()
     assert f.dims.num_layers >= 2                        # a layer after the first: the fold deferred
-    eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False)
     prompt = prompt_ids(np.random.default_rng(11), 23)
     runs = []
     for defer in (0, 1):
-        eng.pd = PersistentStep(eng, defines={"NQ_PD_DOWN_TG": 28, "NQ_PD_DOWN_KS": 2, "NQ_PD_DOWN_DEFER": defer})
+        split = {"NQ_PD_DOWN_TG": 28, "NQ_PD_DOWN_KS": 2, "NQ_PD_DOWN_DEFER": defer}
+        toks, logits = _decode_bits(eng, split, prompt)
         assert eng.pd.plan["NQ_PD_DOWN_KS"] == 2
-        eng.pd.buf["WS_DOWN"].fill(0)
-        toks, logits = [eng.prefill(prompt)], []
-        for _ in range(12):
-            toks.append(eng.decode(toks[-1]))
-            logits.append(eng.logits().get())
-        runs.append((toks, np.stack(logits), float(abs(eng.pd.buf["WS_DOWN"]).sum().get())))
+        runs.append((toks, logits, float(abs(eng.pd.buf["WS_DOWN"]).sum().get())))
     (t0, l0, w0), (t1, l1, w1) = runs
     assert w0 == 0.0 and w1 > 0.0
     assert t0 == t1
     assert np.isfinite(l0).all() and np.array_equal(l0.view(np.uint32), l1.view(np.uint32))
+
+
+def test_lane_path_unrolled_gives_the_same_bits():
+    """[pd-attn-lanes] NQ_PD_ATTN_LANES=2 (P.V unrolled over 32 lanes, p = 0 past the tokens)
+    gives bitwise the logits of 1 at every step; 3 (the scores in 4 chains) its own bits, the
+    same tokens up to near-ties (validation.near_tie_logit_gap) and logits close to 1's."""
+    from nanoqwen_lib.config import load
+    _, eng = _tiny_engine()
+    prompt = prompt_ids(np.random.default_rng(12), 23)   # splits of <= 32 tokens: the lane path
+    t1, l1 = _decode_bits(eng, {"NQ_PD_ATTN_LANES": 1}, prompt)
+    t2, l2 = _decode_bits(eng, {"NQ_PD_ATTN_LANES": 2}, prompt)
+    assert t1 == t2 and np.isfinite(l1).all() and np.array_equal(l1.view(np.uint32), l2.view(np.uint32))
+    t3, l3 = _decode_bits(eng, {"NQ_PD_ATTN_LANES": 3}, prompt)
+    gap = load().validation.near_tie_logit_gap
+    for i, (a, b) in enumerate(zip(t1[1:], t3[1:])):
+        if a != b:
+            assert abs(float(l3[i][a]) - float(l3[i][b])) < gap, f"step {i}: lanes 1 {a}, lanes 3 {b}"
+            break                                        # the streams part at a near-tie
+    assert float(np.abs(l3[0] - l1[0]).max()) < gap
 
 
 def test_timeline_build_records_every_instruction():

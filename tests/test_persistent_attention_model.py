@@ -57,21 +57,23 @@ def merge(parts):
     return acc, M, L
 
 
-def lanes_part(q, k, v, tokens):
+def lanes_part(q, k, v, tokens, chains=1):
     """[pd-attn-lanes]: a warp per query head, a lane per token (at most 32): each lane's score
-    summed over the half2 pairs in its rotated order, the softmax over the lanes, each output
+    summed over the half2 pairs in its rotated order (chains: pair i into chain i % chains,
+    the chains added pairwise, NQ_PD_ATTN_LANES=3), the softmax over the lanes, each output
     dim summed over the tokens in order."""
     gqa, d = q.shape
     scale = F32(1.0 / np.sqrt(F32(d)))
     sc = np.zeros((gqa, len(tokens)), F32)
     for t, j in enumerate(tokens):
         for h in range(gqa):
-            acc = F32(0)
+            acc = [F32(0)] * chains
             for i in range(d // 2):
                 c2 = (i + t) & (d // 2 - 1)
-                acc = F32(acc + q[h, 2 * c2] * k[j, 2 * c2])
-                acc = F32(acc + q[h, 2 * c2 + 1] * k[j, 2 * c2 + 1])
-            sc[h, t] = acc * scale
+                acc[i % chains] = F32(acc[i % chains] + q[h, 2 * c2] * k[j, 2 * c2])
+                acc[i % chains] = F32(acc[i % chains] + q[h, 2 * c2 + 1] * k[j, 2 * c2 + 1])
+            total = acc[0] if chains == 1 else F32(F32(acc[0] + acc[1]) + F32(acc[2] + acc[3]))
+            sc[h, t] = total * scale
     m = sc.max(axis=1)
     p = np.exp(sc - m[:, None]).astype(F32)
     acc = np.zeros((gqa, d), F32)
@@ -80,9 +82,10 @@ def lanes_part(q, k, v, tokens):
     return acc, m, p.sum(axis=1, dtype=F32)
 
 
-def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=KVH_7B, lanes=False):
+def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=KVH_7B, lanes=0):
     """The instruction for one KV head: q [gqa, D], k, v [n, D] -> [gqa, D], plus the tokens
-    each (split, warp) touched. lanes: NQ_PD_ATTN_LANES (a split of <= 32 tokens by lanes)."""
+    each (split, warp) touched. lanes: NQ_PD_ATTN_LANES (a split of <= 32 tokens by lanes;
+    3: the scores in 4 chains; 2 computes what 1 does)."""
     n = k.shape[0]
     splits = splits_of(n, max_splits, min_tokens, grid, kv_heads)
     seen = np.zeros(n, int)
@@ -91,7 +94,7 @@ def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=K
         j0, j1 = s * n // splits, (s + 1) * n // splits
         if lanes and j1 - j0 <= 32:
             seen[j0:j1] += 1
-            split_parts.append(lanes_part(q, k, v, list(range(j0, j1))))
+            split_parts.append(lanes_part(q, k, v, list(range(j0, j1)), chains=4 if lanes == 3 else 1))
             continue
         parts = []
         for w in range(warps):
@@ -104,7 +107,7 @@ def attention_model(q, k, v, warps, max_splits, min_tokens, grid=SMS, kv_heads=K
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 32, 33, 100, 576, 640])
-@pytest.mark.parametrize("lanes", [False, True])
+@pytest.mark.parametrize("lanes", [0, 1, 3])
 @pytest.mark.parametrize("model,grid", [("7b", SMS), ("7b", 114), ("tiny-hd64", SMS), ("tiny-hd64", 5)])
 def test_split_attention_is_softmax_attention(n, model, grid, lanes):
     dims = config.load().models[model]

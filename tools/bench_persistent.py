@@ -8,7 +8,8 @@ instruction's byte floor.
     python tools/bench_persistent.py [--model 7b] [--steps 64] [--variants 'A=1,B=2;C=3'] [--timelines [--spread]] [--json out.json]
 
 The default variants are the ones PERFLOG.md's latest persistent rows were measured with;
-`--variants v8` the v8 rows, `--variants next` the ones v8's "Next" named (SETS below).
+`--variants v8` the v8 rows, `--variants lanes` the lane path's first run, `--variants next`
+the ones the latest "Next" names (SETS below).
 """
 from __future__ import annotations
 
@@ -41,10 +42,13 @@ V8 = ";".join([                                          # PERFLOG "Persistent d
 DEFAULT = ";".join([                                     # PERFLOG "Persistent decode v9"
     "", "NQ_PD_DOWN_DEFER=1", "", "NQ_PD_DOWN_DEFER=1",  # down's fold deferred ([pd-down-defer]), twice
 ])
-NEXT = ";".join([                                        # PERFLOG v8's next: attention by lanes, twice
+LANES = ";".join([                                       # PERFLOG v8's next: attention by lanes, twice (--variants lanes)
     "NQ_PD_ATTN_LANES=0", "", "NQ_PD_ATTN_LANES=0", "",
 ])
-SETS = {"v8": V8, "next": NEXT}
+NEXT = ";".join([                                        # PERFLOG v9's next: the lane path's arithmetic unrolled
+    "", "NQ_PD_ATTN_LANES=2", "NQ_PD_ATTN_LANES=3", "", "NQ_PD_ATTN_LANES=2", "NQ_PD_ATTN_LANES=3",
+])
+SETS = {"v8": V8, "lanes": LANES, "next": NEXT}
 
 
 def parse(spec: str) -> list[dict]:
