@@ -51,7 +51,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -88,6 +88,12 @@
 #endif
 #ifndef NQ_PD_NORM_1PASS
 #error "NQ_PD_NORM_1PASS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_QKV_PREFETCH
+#error "NQ_PD_QKV_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_LATE_RING
+#error "NQ_PD_LATE_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_DOWN_DEFER
 #error "NQ_PD_DOWN_DEFER: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -445,6 +451,15 @@ __device__ __forceinline__ void prefetch_next_qkv(Ctx& c) {
   if (c.lt_next) prefetch_warp<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(ptr<const unsigned char>(c.lt_next, L_QKV), 0, 32);
 }
 
+// When down asks for the next layer's qkv share (NQ_PD_QKV_PREFETCH; lab): 1, at its start,
+// before its own ring and its wait (while gate_up's last CTAs still stream); 2, right after its
+// wait; 3, after its own stream, while its fold and the counters run; 0, never.
+static_assert(NQ_PD_QKV_PREFETCH >= 0 && NQ_PD_QKV_PREFETCH <= 3, "NQ_PD_QKV_PREFETCH: 0..3");
+// Kinds whose first kRing blocks a warp are asked for only after the wait (bit 1 << kind;
+// NQ_PD_LATE_RING, lab; 0: every GEMV's before, [pd-prefetch]): is the next instruction's early
+// request what keeps the last CTAs of the one before from finishing?
+static_assert((NQ_PD_LATE_RING & ~((1 << K_QKV) | (1 << K_O) | (1 << K_GATE_UP) | (1 << K_DOWN))) == 0,
+              "NQ_PD_LATE_RING: bits 1 << kind of the GEMV kinds");
 template <int N, int K, int TG, int KS, int kStage, int kEpi, bool kPrefetchNextQkv = false>
 __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* w, const half* act,
                      const half* norm_w, const half* bias, half* out, unsigned char* xs, float* red,
@@ -452,7 +467,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   constexpr int G = K / NQ_GROUP_SIZE;
   begin_instruction(c);
   const Unit u = unit_of<N, K, TG, KS>(blockIdx.x);
-  if (kPrefetchNextQkv) prefetch_next_qkv(c);          // a later instruction's weights ([pd-prefetch])
+  if (kPrefetchNextQkv && NQ_PD_QKV_PREFETCH == 1) prefetch_next_qkv(c);   // a later instruction's weights ([pd-prefetch])
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int b0 = warp * u.nb / kWarps, b1 = (warp + 1) * u.nb / kWarps;   // nb * kWarps < 2^31
   __shared__ int wrange[kWarps][2];                      // each warp's first and last tile (local)
@@ -482,21 +497,27 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     lp += nqs3::kBlockBytes;
     if (++lg == ng) { lg = 0; lp += (size_t)(G - ng) * nqs3::kBlockBytes; }
   };
+  auto issue_ring = [&]() {
 #pragma unroll
-  for (int i = 0; i < kRing; ++i) {
-    if (b0 + i < b1) {
-      if (kSmemRing) nqs3::copy_slot(ring + i * nqs3::kBlockBytes, lp, lane);
-      else nqs3::load_slot(r[i], lp, lane);
-      next_load();
+    for (int i = 0; i < kRing; ++i) {
+      if (b0 + i < b1) {
+        if (kSmemRing) nqs3::copy_slot(ring + i * nqs3::kBlockBytes, lp, lane);
+        else nqs3::load_slot(r[i], lp, lane);
+        next_load();
+      }
+      if (kSmemRing) hopper::cp_async_commit();
     }
-    if (kSmemRing) hopper::cp_async_commit();
-  }
+  };
+  const bool late_ring = (NQ_PD_LATE_RING >> kind) & 1;
+  if (!late_ring) issue_ring();
   // gate_up's and down's next NQ_PD_SELF_PREFETCH blocks a warp, past the ring, into L2
   // ([pd-prefetch]; qkv's and o_proj's were prefetched by the instruction before them).
   if (NQ_PD_SELF_PREFETCH > 0 && (kind == K_GATE_UP || kind == K_DOWN))
     prefetch_warp<N, K, TG, KS>(w, kRing, NQ_PD_SELF_PREFETCH);
   if (kind == K_QKV) probe(c, layer, 0);
   wait_inputs(c);
+  if (late_ring) issue_ring();
+  if (kPrefetchNextQkv && NQ_PD_QKV_PREFETCH == 2) prefetch_next_qkv(c);
   if (kind == K_QKV) probe(c, layer, 1);
   // [pd-down-defer]: this down leaves its slices in WS_DOWN (another layer follows in the launch);
   // this qkv or o_proj adds the last down's
@@ -598,6 +619,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     if (ct - ft - (cg == 0) >= kKmax && lane == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 5);
   }
   // [/pd-gemv-loop]
+  if (kPrefetchNextQkv && NQ_PD_QKV_PREFETCH == 3) prefetch_next_qkv(c);
   __syncthreads();   // all threads: every warp's row sums are in part[]
   if (kind == K_QKV) probe(c, layer, 3);
 

@@ -45,8 +45,11 @@ DEFAULT = ";".join([                                     # PERFLOG "Persistent d
 LANES = ";".join([                                       # PERFLOG v8's next: attention by lanes, twice (--variants lanes)
     "NQ_PD_ATTN_LANES=0", "", "NQ_PD_ATTN_LANES=0", "",
 ])
-NEXT = ";".join([                                        # PERFLOG v9's next: the lane path's arithmetic unrolled
-    "", "NQ_PD_ATTN_LANES=2", "NQ_PD_ATTN_LANES=3", "", "NQ_PD_ATTN_LANES=2", "NQ_PD_ATTN_LANES=3",
+NEXT = ";".join([                                        # PERFLOG v9's next (with --spread --probe 14)
+    "", "NQ_PD_ATTN_LANES=2", "NQ_PD_ATTN_LANES=3",     # the lane path's arithmetic unrolled
+    "NQ_PD_QKV_PREFETCH=0", "NQ_PD_QKV_PREFETCH=2", "NQ_PD_QKV_PREFETCH=3",   # where down asks for the next qkv
+    "NQ_PD_LATE_RING=32", "NQ_PD_LATE_RING=58",         # down's / every GEMV's ring after its wait
+    "",
 ])
 SETS = {"v8": V8, "lanes": LANES, "next": NEXT}
 
