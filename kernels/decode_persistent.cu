@@ -155,7 +155,7 @@ constexpr bool kAttnLanes = NQ_PD_ATTN_LANES != 0;
 constexpr bool kLanePvUnroll = NQ_PD_ATTN_LANES >= 2;
 constexpr int kLaneChains = NQ_PD_ATTN_LANES >= 3 ? 4 : 1;
 static_assert(NQ_PD_ATTN_LANES >= 0 && NQ_PD_ATTN_LANES <= 3, "NQ_PD_ATTN_LANES: 0, 1, 2 or 3");
-static_assert((D / 2) % kLaneChains == 0, "score chains divide the half2 pairs");
+static_assert(kLaneChains == 1 || kLaneChains == 4, "one score chain or four (added pairwise)");
 static_assert(!kAttnLanes || kAttnMergeAll, "[pd-attn-lanes] stores each head's part for the slice merge");
 static_assert(!kAttnLanes || 2 * 32 * D * 2 <= kWarps * GQA * (D + 2) * 4, "[pd-attn-lanes]: K and V rows fit the partials buffer");
 // ST_NORM in one pass over x (a chunk a thread: x of at most kThreads chunks), else two
@@ -858,7 +858,8 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
           d[ci] = fmaf(qf.y, kf.y, d[ci]);
         }
       }
-      const float dsum = kLaneChains == 1 ? d[0] : (d[0] + d[kLaneChains / 4]) + (d[kLaneChains / 2] + d[3 * kLaneChains / 4]);
+      float dsum = d[0];
+      if constexpr (kLaneChains == 4) dsum = (d[0] + d[1]) + (d[2] + d[3]);
       sc = dsum * rsqrtf((float)D);
     }
     float m = sc;
