@@ -256,3 +256,25 @@ def test_spread_tells_a_late_cta_from_noise():
     assert steady["count"] == noisy["count"] == 5         # the first instruction has nothing before it
     assert steady["tail"] == noisy["tail"] == 300
     assert steady["cta_lag"] == 300 and noisy["cta_lag"] == 0
+
+
+def test_persistent_spread_from_the_committed_record(tmp_path):
+    """Chapter 10's per-CTA reading: every layer kind, its fields in us, a floor per layer
+    below the slowest CTA's end; a record without the spread, or without a field of it, is
+    refused naming the file and the field."""
+    import json
+    from nanoqwen_lib.measure import bench
+    sp = bench.persistent_spread()
+    assert list(sp) == list(bench.RECORD_KINDS[:-1])
+    for k, r in sp.items():
+        assert 0 <= r["ready_median"] < r["end_last"] and r["tail"] >= 0 and 0 < r["floor"] < r["end_last"], k
+    rec = json.loads(bench.PERSISTENT_RECORD.read_text())
+    del rec["spread"]["down"]["tail"]
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps(rec))
+    with pytest.raises(NanoqwenError, match=r"p.json: spread.down: expected .*tail.*found no tail"):
+        bench.persistent_spread(bad)
+    del rec["spread"]
+    bad.write_text(json.dumps(rec))
+    with pytest.raises(NanoqwenError, match="spread"):
+        bench.persistent_spread(bad)

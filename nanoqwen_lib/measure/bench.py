@@ -228,6 +228,32 @@ def persistent_variants(path=VARIANTS_RECORD) -> list[dict]:
     return out
 
 
+SPREAD_FIELDS = ("ready_median", "busy_median", "end_median", "end_last", "tail")
+
+
+def persistent_spread(path=PERSISTENT_RECORD) -> dict:
+    """Chapter 10's per-CTA reading of its timeline (measure.timeline.spread) for the layer
+    kinds, in us: kind -> the spread's fields (SPREAD_FIELDS) and floor (the kind's byte floor
+    per layer, from the same record's timeline). A record without them is refused, naming
+    the file and the field."""
+    from nanoqwen_lib.errors import NanoqwenError
+    path = Path(path)
+    r = json.loads(path.read_text())
+    for field in ("spread", "timeline"):
+        if field not in r:
+            raise NanoqwenError(str(path), field, "the persistent step's record with its spread (chapter 10)", "missing")
+    out = {}
+    for k in RECORD_KINDS[:-1]:
+        sp, tk = r["spread"].get(k), r["timeline"]["kinds"].get(k)
+        if sp is None or tk is None:
+            raise NanoqwenError(str(path), f"spread.{k}" if sp is None else f"timeline.kinds.{k}", "a layer kind", "missing")
+        missing = [f for f in SPREAD_FIELDS if f not in sp]
+        if missing:
+            raise NanoqwenError(str(path), f"spread.{k}", ", ".join(SPREAD_FIELDS), "no " + ", ".join(missing))
+        out[k] = {**{f: sp[f] / 1e3 for f in SPREAD_FIELDS}, "floor": tk["floor_ns"] / tk["count"] / 1e3}
+    return out
+
+
 def persistent_figures(path=PERSISTENT_RECORD) -> dict:
     """The headline figures of the persistent step's run (chapter 10 writes the record), for
     the chapters that quote them: itl_ms and graph_itl_ms (both steps, same run), speedup
