@@ -51,7 +51,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -94,6 +94,9 @@
 #endif
 #ifndef NQ_PD_LATE_RING
 #error "NQ_PD_LATE_RING: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_QKV_LL
+#error "NQ_PD_QKV_LL: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_DOWN_DEFER
 #error "NQ_PD_DOWN_DEFER: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -174,7 +177,7 @@ static_assert(H % 8 == 0, "rows of 16-byte chunks");
 enum Tab {
   T_EMBED, T_NORM, T_LM_HEAD, T_LOGITS, T_SCALARS, T_BLOCK_TABLE, T_FREE_PAGES, T_GENERATED,
   T_X, T_QKV, T_ATTN, T_GATE_UP, T_SYNC, T_WS, T_TILE_CNT, T_ATTN_WS, T_ATTN_CNT,
-  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_PROBE, T_GRID, T_WS_DOWN, T_GLOBALS
+  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_PROBE, T_GRID, T_WS_DOWN, T_QKV_TAG, T_GLOBALS
 };
 enum LayerTab { L_QKV, L_O, L_GATE_UP, L_DOWN, L_LN1, L_LN2, L_QKV_BIAS, L_K, L_V, L_FIELDS };
 constexpr int kLayerBase = 32, kLayerStride = 16;
@@ -201,6 +204,13 @@ constexpr Gemv kDown{H, I, NQ_PD_DOWN_TG, NQ_PD_DOWN_KS};
 // epilogue adds them to its rows' residual, where it writes x. Same sums in the same order: the
 // same bits. x is complete at the end of every launch (its last layer folds as before).
 constexpr bool kDownDefer = NQ_PD_DOWN_DEFER != 0 && kDown.KS > 1 && kNormOnePass;
+// [pd-qkv-ll] (NQ_PD_QKV_LL, lab): the attention does not wait on qkv's counter and then load
+// q, k, v (two trips); it polls them. qkv's epilogue also stores each output as one 32-bit word,
+// (tag << 16) | fp16 bits, tag = layer + 1 (NCCL's "LL" protocol: value and flag in one
+// single-copy-atomic word, so a word with the layer's tag holds that layer's value), and the
+// attention's threads spin on 16-byte chunks of those words until all four carry the tag. The
+// last CTA out zeroes the words, so a launch never sees an earlier launch's tags.
+constexpr bool kQkvLL = NQ_PD_QKV_LL != 0;
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int max2(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int x_bytes(Gemv m) { return ceil_div(m.K / NQ_GROUP_SIZE, m.KS) * nqs3::kXGroupBytes; }
@@ -400,6 +410,30 @@ __device__ __forceinline__ float fold_row(float x, const float* ws, int row) {
 #pragma unroll
   for (int s = 0; s < kDown.KS; ++s) v += __ldcg(ws + (size_t)s * H + row);
   return __half2float(__float2half_rn(x + v));
+}
+
+// [pd-qkv-ll] store: fp16 h of qkv row `row` with the layer's tag
+__device__ __forceinline__ void store_tagged(const Ctx& c, int row, half h, int layer) {
+  unsigned* p = ptr<unsigned>(c.tab, T_QKV_TAG) + row;
+  const unsigned w = ((unsigned)(layer + 1) << 16) | __half_as_ushort(h);
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(w) : "memory");
+}
+// ... poll: the 4 words at p (16-byte aligned) once all carry `tag`, or whatever they hold after
+// NQ_PD_TIMEOUT_MS (error 3) or at once after an earlier timeout ([pd-wait]'s rule)
+__device__ __forceinline__ uint4 poll_tagged4(const Ctx& c, const unsigned* p, unsigned tag) {
+  const unsigned long long t0 = now_ns();
+  volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
+  uint4 w;
+  for (int spin = 0;; ++spin) {
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p) : "memory");
+    if ((w.x >> 16) == tag && (w.y >> 16) == tag && (w.z >> 16) == tag && (w.w >> 16) == tag) break;
+    if ((spin & 63) == 63) {
+      if (*err != 0) break;
+      if (now_ns() - t0 > (unsigned long long)NQ_PD_TIMEOUT_MS * 1000000ull) { atomicExch((int*)err, kErrTimeout); break; }
+    }
+  }
+  return w;
 }
 
 // ---- GEMV instructions ------------------------------------------------------------------
@@ -635,7 +669,9 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     if (KS == 1) {
       if (kEpi == EP_BIAS) v += sepi[threadIdx.x];
       if (kEpi == EP_RESIDUAL) v = sepi[threadIdx.x] + v;
-      out[my_row] = __float2half_rn(v);
+      const half hv = __float2half_rn(v);
+      out[my_row] = hv;
+      if (kQkvLL && kind == K_QKV) store_tagged(c, my_row, hv, layer);   // [pd-qkv-ll]
     } else {
       __stcg(ptr<float>(c.tab, defer ? T_WS_DOWN : T_WS) + (size_t)u.ks * N + my_row, v);
     }
@@ -655,7 +691,9 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
         for (int s = 0; s < KS; ++s) v += __ldcg(ws + (size_t)s * N + my_row);   // slice order
         if (kEpi == EP_BIAS) v += sepi[threadIdx.x];
         if (kEpi == EP_RESIDUAL) v = sepi[threadIdx.x] + v;
-        out[my_row] = __float2half_rn(v);
+        const half hv = __float2half_rn(v);
+        out[my_row] = hv;
+        if (kQkvLL && kind == K_QKV) store_tagged(c, my_row, hv, layer);   // [pd-qkv-ll]
       }
       if (threadIdx.x == 0) ptr<int>(c.tab, T_TILE_CNT)[u.tg] = 0;   // ready for the next use
     }
@@ -668,11 +706,14 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
 
 // ---- attention ----------------------------------------------------------------------------
 // Rotate the pair (x[i], x[i + D/2]) by angle pos * inv_freq[i] (rope_append.cu's arithmetic).
+// x in global memory (written in this kernel: through L2), or (kShared) in shared memory, where
+// out may be x itself (the pair is read before it is written).
+template <bool kShared = false>
 __device__ __forceinline__ void rope_pair(const half* x, half* out, int i, float pos, const float* inv_freq) {
   float s, co;
   sincosf(pos * inv_freq[i], &s, &co);
-  const float x1 = __half2float(__ldcg(x + i));
-  const float x2 = __half2float(__ldcg(x + i + D / 2));
+  const float x1 = __half2float(kShared ? x[i] : __ldcg(x + i));
+  const float x2 = __half2float(kShared ? x[i + D / 2] : __ldcg(x + i + D / 2));
   out[i] = __float2half_rn(__fsub_rn(__fmul_rn(x1, co), __fmul_rn(x2, s)));
   out[i + D / 2] = __float2half_rn(__fadd_rn(__fmul_rn(x2, co), __fmul_rn(x1, s)));
 }
@@ -801,6 +842,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   }
   prefetch_during_attention(c);   // no weights here: o_proj's and gate_up's, queued behind the K/V reads
   probe(c, layer, 5);
+  if (kQkvLL) c.prev = -1;        // [pd-qkv-ll]: no counter to wait on; q, k, v are polled below
   wait_inputs(c);
   probe(c, layer, 6);
   float* wpart = reinterpret_cast<float*>(smem);                    // [kAttnParts][GQA][D + 2]
@@ -813,19 +855,41 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     const half* qkv = ptr<const half>(c.tab, T_QKV);
     const float* inv_freq = ptr<const float>(c.tab, T_INV_FREQ);
     const float pos = (float)(n - 1);
+    if (kQkvLL) {
+      // [pd-qkv-ll] q of the head's GQA query heads (and, in the last split, k and v) polled
+      // into qh (kh, vh) as they are, then roped there.
+      const unsigned* tagged = ptr<const unsigned>(c.tab, T_QKV_TAG);
+      constexpr int QC = GQA * D / 4, KC = D / 4;        // 16-byte chunks: 4 tagged values each
+      const int nc = s == splits - 1 ? QC + 2 * KC : QC;
+      for (int ch = threadIdx.x; ch < nc; ch += kThreads) {
+        const int src = ch < QC ? g * GQA * D + 4 * ch : ch < QC + KC ? Q_DIM + g * D + 4 * (ch - QC)
+                                                       : Q_DIM + KV_DIM + g * D + 4 * (ch - QC - KC);
+        half* dst = ch < QC ? qh + 4 * ch : ch < QC + KC ? kh + 4 * (ch - QC) : vh + 4 * (ch - QC - KC);
+        const uint4 w = poll_tagged4(c, tagged + src, (unsigned)layer + 1u);
+        dst[0] = __ushort_as_half((unsigned short)w.x); dst[1] = __ushort_as_half((unsigned short)w.y);
+        dst[2] = __ushort_as_half((unsigned short)w.z); dst[3] = __ushort_as_half((unsigned short)w.w);
+      }
+      __syncthreads();   // all threads: q (k, v) in shared memory
+      if (NQ_PD_TIMELINE && threadIdx.x == 0) c.t_ready = now_ns();
+    }
     for (int i = threadIdx.x; i < GQA * D / 2; i += kThreads) {
       const int h = i / (D / 2), e = i % (D / 2);
-      rope_pair(qkv + (g * GQA + h) * D, qh + h * D, e, pos, inv_freq);
+      if (kQkvLL) rope_pair<true>(qh + h * D, qh + h * D, e, pos, inv_freq);
+      else rope_pair(qkv + (g * GQA + h) * D, qh + h * D, e, pos, inv_freq);
     }
     if (s == splits - 1 && threadIdx.x < D / 2) {     // this token's k (roped) and v -> shared memory and its page slot
       const int slot = __ldcg(c.scalars + S_SLOT * NQ_SCALAR_STRIDE);
       const int page = slot / NQ_PAGE_TOKENS, off = slot % NQ_PAGE_TOKENS;
       const long long row = ((long long)(page * KVH + g) * NQ_PAGE_TOKENS + off) * D;
       const int i = threadIdx.x, i2 = threadIdx.x + D / 2;
-      rope_pair(qkv + Q_DIM + g * D, kh, i, pos, inv_freq);
-      const half* v = qkv + Q_DIM + KV_DIM + g * D;
-      vh[i] = __ldcg(v + i);
-      vh[i2] = __ldcg(v + i2);
+      if (kQkvLL) {
+        rope_pair<true>(kh, kh, i, pos, inv_freq);   // (v is in vh already)
+      } else {
+        rope_pair(qkv + Q_DIM + g * D, kh, i, pos, inv_freq);
+        const half* v = qkv + Q_DIM + KV_DIM + g * D;
+        vh[i] = __ldcg(v + i);
+        vh[i2] = __ldcg(v + i2);
+      }
       kc[row + i] = kh[i]; kc[row + i2] = kh[i2];     // (this thread's own shared-memory writes)
       vc[row + i] = vh[i]; vc[row + i2] = vh[i2];
     }
@@ -1209,8 +1273,11 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   // their waits once they arrive here.
   begin_instruction(c);
   __syncthreads();   // all threads: this CTA is done
+  __shared__ int last_out;   // ([pd-qkv-ll]: the last CTA's threads zero the tagged words)
   if (threadIdx.x == 0) {
-    if (arrive_last(c.sync + kDone, (unsigned)c.grid)) {
+    const bool last = arrive_last(c.sync + kDone, (unsigned)c.grid);
+    if (kQkvLL) last_out = last;
+    if (last) {
       for (int i = 0; i <= kDone; ++i) c.sync[i] = 0u;   // (the next launch sees them: kernel boundary)
       if (kAttnMergeAll)
         for (int i = 0; i < num_layers * KVH; ++i) ptr<unsigned>(tab, T_ATTN_CNT)[i] = 0u;
@@ -1220,6 +1287,11 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
     row[0] = num_layers * 16 + K_END; row[1] = (long long)c.t_begin; row[2] = (long long)c.t_begin;
     row[3] = (long long)now_ns();
 #endif
+  }
+  if constexpr (kQkvLL) {
+    __syncthreads();   // all threads: last_out known
+    if (last_out)
+      for (int i = threadIdx.x; i < QKV_DIM; i += kThreads) ptr<unsigned>(tab, T_QKV_TAG)[i] = 0u;
   }
 }
 // [/pd-entry]

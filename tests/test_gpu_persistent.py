@@ -11,7 +11,8 @@ defer    down's K slices added by the next qkv and o_proj ([pd-down-defer]) give
          bits as down's own fold
 lanes    the lane path's unrolled P.V (NQ_PD_ATTN_LANES=2) gives the bits of 1; the scores in
          4 chains (3) part from it at near-ties only
-requests moving the prefetches and the rings' first loads changes no bit
+requests moving the prefetches and the rings' first loads, or polling tagged q, k, v instead of
+         a counter ([pd-qkv-ll]), changes no bit
 hang     a launch whose CTAs cannot all be resident ends with the timeout error instead of
          hanging the device (every wait has NQ_PD_TIMEOUT_MS)
 """
@@ -162,13 +163,14 @@ def test_lane_path_unrolled_gives_the_same_bits():
 
 
 def test_request_placement_gives_the_same_bits():
-    """Where the next qkv share is prefetched (NQ_PD_QKV_PREFETCH 0 and 3) and whether the GEMVs'
-    rings fly before or after their wait (NQ_PD_LATE_RING, all four) move requests, not sums:
-    bitwise the default's logits at every step."""
+    """Where the next qkv share is prefetched (NQ_PD_QKV_PREFETCH 0 and 3), whether the GEMVs'
+    rings fly before or after their wait (NQ_PD_LATE_RING, all four) and whether the attention
+    polls tagged q, k, v instead of waiting on qkv's counter (NQ_PD_QKV_LL) move requests, not
+    sums: bitwise the default's logits at every step."""
     _, eng = _tiny_engine()
     prompt = prompt_ids(np.random.default_rng(13), 23)
     t0, l0 = _decode_bits(eng, {}, prompt)
-    for v in ({"NQ_PD_QKV_PREFETCH": 0}, {"NQ_PD_QKV_PREFETCH": 3}, {"NQ_PD_LATE_RING": 58}):
+    for v in ({"NQ_PD_QKV_PREFETCH": 0}, {"NQ_PD_QKV_PREFETCH": 3}, {"NQ_PD_LATE_RING": 58}, {"NQ_PD_QKV_LL": 1}):
         t, l = _decode_bits(eng, v, prompt)
         assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32)), v
 

@@ -49,6 +49,7 @@ NEXT = ";".join([                                        # PERFLOG v9's next (wi
     "", "NQ_PD_ATTN_LANES=2", "NQ_PD_ATTN_LANES=3",     # the lane path's arithmetic unrolled
     "NQ_PD_QKV_PREFETCH=0", "NQ_PD_QKV_PREFETCH=2", "NQ_PD_QKV_PREFETCH=3",   # where down asks for the next qkv
     "NQ_PD_LATE_RING=32", "NQ_PD_LATE_RING=58",         # down's / every GEMV's ring after its wait
+    "NQ_PD_QKV_LL=1",                                    # the attention polls tagged q, k, v ([pd-qkv-ll])
     "",
 ])
 SETS = {"v8": V8, "lanes": LANES, "next": NEXT}

@@ -23,7 +23,7 @@ TUNING = load().tuning[KERNEL].defines
 TAB_GLOBALS = ("EMBED", "NORM", "LM_HEAD", "LOGITS", "SCALARS", "BLOCK_TABLE", "FREE_PAGES", "GENERATED",
                "X", "QKV", "ATTN", "GATE_UP", "SYNC", "WS", "TILE_CNT", "ATTN_WS", "ATTN_CNT",
                "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES", "PROBE", "GRID",
-               "WS_DOWN")
+               "WS_DOWN", "QKV_TAG")
 TAB_LAYER = ("QKV", "O", "GATE_UP", "DOWN", "LN1", "LN2", "QKV_BIAS", "K", "V")
 LAYER_BASE, LAYER_STRIDE = 32, 16
 MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, in order
@@ -109,6 +109,7 @@ class PersistentStep:
             "SYNC": cp.zeros(instructions(L), cp.uint32),
             "WS": cp.zeros(ws_rows, cp.float32),
             "WS_DOWN": cp.zeros(self.plan["NQ_PD_DOWN_KS"] * dims.hidden, cp.float32),   # [pd-down-defer]
+            "QKV_TAG": cp.zeros(dims.qkv_dim, cp.uint32),   # [pd-qkv-ll]: (layer + 1) << 16 | fp16, zeroed each launch
             "TILE_CNT": cp.zeros(max(self.plan[f"NQ_PD_{m}_TG"] for m in ("QKV", "O", "GU", "DOWN")), cp.int32),
             "ATTN_WS": cp.zeros(dims.num_kv_heads * t["NQ_PD_ATTN_SPLITS"] * gqa * (dims.head_dim + 2),
                                 cp.float32),
@@ -175,7 +176,7 @@ class PersistentStep:
 
     def reset(self) -> None:
         """Counters to zero (the kernel leaves them so; a timed-out launch may not)."""
-        for name in ("SYNC", "TILE_CNT", "ATTN_CNT", "ARG_CNT"):
+        for name in ("SYNC", "TILE_CNT", "ATTN_CNT", "ARG_CNT", "QKV_TAG"):
             self.buf[name].fill(0)
 
     def launch(self, new_page: bool, first_layer: int = 0, last_layer: int | None = None,
