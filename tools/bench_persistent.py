@@ -89,6 +89,31 @@ def probe(eng, prompt, defines) -> None:
             print(f"  {k:2d} {name:22s} {v.min():8.2f} {np.median(v):8.2f} {v.max():8.2f}  ({v.size} CTAs)")
 
 
+def measure(eng, v: dict, prompt: list[int], a) -> tuple[dict, dict | None]:
+    """One variant on the engine's step (eng.pd, built with v): a.steps steps timed between
+    eager launches (median ms), its tokens, and with a.timelines one token's timeline summary
+    (and with a.spread its per-CTA reading). Raises what the engine raises (a timed-out wait)."""
+    from nanoqwen_lib.measure.timeline import spread, timeline_token
+    from nanoqwen_lib.measure.timing import events_between, intervals_ms
+    eng.prefill_enqueue(prompt)
+    for _ in range(3):
+        eng.launch_step(replay=False)                           # warm-up
+    ev = events_between(lambda: eng.launch_step(replay=False), a.steps, eng.stream)
+    eng.stream.synchronize()
+    eng.token_at(eng.position - 1)
+    start = a.prompt_tokens - 1
+    row = {"variant": v, "ms": float(np.median(intervals_ms(ev))), "regs": eng.pd.kernel.num_regs,
+           "tokens": eng.arena["s.generated"][start:start + a.steps].get().tolist()}
+    summary = None
+    if a.timelines:
+        tl = timeline_token(eng, prompt, steps=4, keep_events=a.spread)
+        summary = tl["summary"]
+        if a.spread:
+            row["spread"] = spread(tl["events"])
+        row["exposed_ms"] = {k: r["exposed_ns"] / 1e6 for k, r in summary["kinds"].items()}
+    return row, summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="7b")
@@ -106,8 +131,8 @@ def main() -> int:
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.gpu.persistent import PersistentStep
-    from nanoqwen_lib.measure.timeline import format_spread, format_summary, spread, timeline_token
-    from nanoqwen_lib.measure.timing import events_between, intervals_ms
+    from nanoqwen_lib.errors import NanoqwenError
+    from nanoqwen_lib.measure.timeline import format_spread, format_summary, timeline_token
     from nanoqwen_lib.synthetic.packed import packed_synthetic_direct
     f = NanoqwenFile.open(packed_synthetic_direct(a.model, seed=0), verify_payload=False)
     eng = GpuBackend(f, max_tokens=a.prompt_tokens + a.steps + 64, graphs=False, decode="persistent")
@@ -120,32 +145,27 @@ def main() -> int:
             rows.append({"variant": v, "error": str(e)[:200]})
             print(f"{v}: {str(e)[:200]}", flush=True)
             continue
-        eng.prefill_enqueue(prompt)
-        for _ in range(3):
-            eng.launch_step(replay=False)                       # warm-up
-        ev = events_between(lambda: eng.launch_step(replay=False), a.steps, eng.stream)
-        eng.stream.synchronize()
-        eng.token_at(eng.position - 1)
-        ms = float(np.median(intervals_ms(ev)))
-        start = a.prompt_tokens - 1
-        toks = eng.arena["s.generated"][start:start + a.steps].get().tolist()
+        try:
+            row, summary = measure(eng, v, prompt, a)
+        except NanoqwenError as e:                              # the step reported an error (a timeout: error 3)
+            rows.append({"variant": v, "error": str(e)[:200]})
+            print(f"{v}: {str(e)[:200]}", flush=True)
+            eng.pd.reset()
+            eng.scalar["error"].fill(0)
+            cp.cuda.Device().synchronize()
+            continue
+        toks = row.pop("tokens")
         ref_tokens = ref_tokens or toks
-        same = sum(x == y for x, y in zip(toks, ref_tokens))
-        rows.append({"variant": v, "ms": ms, "same_tokens": same, "regs": eng.pd.kernel.num_regs})
-        print(f"{str(v):60s} {ms:.4f} ms  tokens same as first: {same}/{len(toks)}  regs {eng.pd.kernel.num_regs}",
-              flush=True)
-        summary = None
-        if a.timelines:
-            tl = timeline_token(eng, prompt, steps=4, keep_events=a.spread)
-            summary = tl["summary"]
-            if a.spread:
-                rows[-1]["spread"] = spread(tl["events"])
-                print(format_spread(rows[-1]["spread"]), flush=True)
-                print("    a CTA late every time (cta_lag, us): " + "  ".join(
-                    f"{k} {r['cta_lag'] / 1e3:.2f}" for k, r in rows[-1]["spread"].items()), flush=True)
-            rows[-1]["exposed_ms"] = {k: r["exposed_ns"] / 1e6 for k, r in summary["kinds"].items()}
-            print("    exposed ms: " + "  ".join(f"{k} {r['exposed_ns'] / 1e6:.3f}" for k, r in summary["kinds"].items()),
-                  flush=True)
+        row["same_tokens"] = same = sum(x == y for x, y in zip(toks, ref_tokens))
+        rows.append(row)
+        ms = row["ms"]
+        print(f"{str(v):60s} {ms:.4f} ms  tokens same as first: {same}/{len(toks)}  regs {row['regs']}", flush=True)
+        if "spread" in row:
+            print(format_spread(row["spread"]), flush=True)
+            print("    a CTA late every time (cta_lag, us): " + "  ".join(
+                f"{k} {r['cta_lag'] / 1e3:.2f}" for k, r in row["spread"].items()), flush=True)
+        if "exposed_ms" in row:
+            print("    exposed ms: " + "  ".join(f"{k} {x:.3f}" for k, x in row["exposed_ms"].items()), flush=True)
         if best is None or ms < best[1]:
             best = (v, ms, summary)
     print(f"fastest: {best[0]} {best[1]:.4f} ms", flush=True)
