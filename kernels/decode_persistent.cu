@@ -205,7 +205,7 @@ constexpr Gemv kDown{H, I, NQ_PD_DOWN_TG, NQ_PD_DOWN_KS};
 // same bits. x is complete at the end of every launch (its last layer folds as before).
 constexpr bool kDownDefer = NQ_PD_DOWN_DEFER != 0 && kDown.KS > 1 && kNormOnePass;
 // [pd-qkv-ll] (NQ_PD_QKV_LL, lab): the attention does not wait on qkv's counter and then load
-// q, k, v (two trips); it polls them. qkv's epilogue also stores each output as one 32-bit word,
+// q, k, v (two trips); it polls them. qkv's epilogue stores each output as one 32-bit word,
 // (tag << 16) | fp16 bits, tag = layer + 1 (NCCL's "LL" protocol: value and flag in one
 // single-copy-atomic word, so a word with the layer's tag holds that layer's value), and the
 // attention's threads spin on 16-byte chunks of those words until all four carry the tag. The
@@ -311,17 +311,20 @@ struct Ctx {
 // [pd-wait]
 // All threads. Thread 0 spins until sync[prev] >= target (acquire), then the CTA barrier
 // passes the ordering on to every thread.
+// A spinning loop's way out (checked every 64th turn): true after an earlier timeout
+// (*err != 0), or once NQ_PD_TIMEOUT_MS have passed since t0 (which sets *err).
+__device__ __forceinline__ bool timed_out(volatile int* err, unsigned long long t0) {
+  if (*err != 0) return true;                          // an earlier timeout: give up at once
+  if (now_ns() - t0 > (unsigned long long)NQ_PD_TIMEOUT_MS * 1000000ull) { atomicExch((int*)err, kErrTimeout); return true; }
+  return false;
+}
 // One thread: spin until *p >= target (acquire), or give up after NQ_PD_TIMEOUT_MS (error 3)
 // or at once after an earlier timeout.
 __device__ __forceinline__ void spin_until(const Ctx& c, const unsigned* p, unsigned target) {
   const unsigned long long t0 = now_ns();
   volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
-  for (int spin = 0; ld_poll(p) < target; ++spin) {
-    if ((spin & 63) == 63) {
-      if (*err != 0) break;                            // an earlier timeout: give up at once
-      if (now_ns() - t0 > (unsigned long long)NQ_PD_TIMEOUT_MS * 1000000ull) { atomicExch((int*)err, kErrTimeout); break; }
-    }
-  }
+  for (int spin = 0; ld_poll(p) < target; ++spin)
+    if ((spin & 63) == 63 && timed_out(err, t0)) break;
   acquired();
 }
 __device__ __forceinline__ void wait_inputs(Ctx& c) {
@@ -428,10 +431,7 @@ __device__ __forceinline__ uint4 poll_tagged4(const Ctx& c, const unsigned* p, u
     asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p) : "memory");
     if ((w.x >> 16) == tag && (w.y >> 16) == tag && (w.z >> 16) == tag && (w.w >> 16) == tag) break;
-    if ((spin & 63) == 63) {
-      if (*err != 0) break;
-      if (now_ns() - t0 > (unsigned long long)NQ_PD_TIMEOUT_MS * 1000000ull) { atomicExch((int*)err, kErrTimeout); break; }
-    }
+    if ((spin & 63) == 63 && timed_out(err, t0)) break;
   }
   return w;
 }
@@ -670,8 +670,8 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       if (kEpi == EP_BIAS) v += sepi[threadIdx.x];
       if (kEpi == EP_RESIDUAL) v = sepi[threadIdx.x] + v;
       const half hv = __float2half_rn(v);
-      out[my_row] = hv;
-      if (kQkvLL && kind == K_QKV) store_tagged(c, my_row, hv, layer);   // [pd-qkv-ll]
+      if (kQkvLL && kind == K_QKV) store_tagged(c, my_row, hv, layer);   // [pd-qkv-ll]: its only reader polls these
+      else out[my_row] = hv;
     } else {
       __stcg(ptr<float>(c.tab, defer ? T_WS_DOWN : T_WS) + (size_t)u.ks * N + my_row, v);
     }
@@ -692,8 +692,8 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
         if (kEpi == EP_BIAS) v += sepi[threadIdx.x];
         if (kEpi == EP_RESIDUAL) v = sepi[threadIdx.x] + v;
         const half hv = __float2half_rn(v);
-        out[my_row] = hv;
         if (kQkvLL && kind == K_QKV) store_tagged(c, my_row, hv, layer);   // [pd-qkv-ll]
+        else out[my_row] = hv;
       }
       if (threadIdx.x == 0) ptr<int>(c.tab, T_TILE_CNT)[u.tg] = 0;   // ready for the next use
     }

@@ -231,17 +231,23 @@ def persistent_variants(path=VARIANTS_RECORD) -> list[dict]:
 SPREAD_FIELDS = ("ready_median", "busy_median", "end_median", "end_last", "tail")
 
 
+def _persistent_record(path, fields: tuple, what: str) -> dict:
+    """Chapter 10's record at path, refused (naming the file and the field) without fields."""
+    from nanoqwen_lib.errors import NanoqwenError
+    r = json.loads(Path(path).read_text())
+    for field in fields:
+        if field not in r:
+            raise NanoqwenError(str(path), field, what, "missing")
+    return r
+
+
 def persistent_spread(path=PERSISTENT_RECORD) -> dict:
     """Chapter 10's per-CTA reading of its timeline (measure.timeline.spread) for the layer
     kinds, in us: kind -> the spread's fields (SPREAD_FIELDS) and floor (the kind's byte floor
     per layer, from the same record's timeline). A record without them is refused, naming
     the file and the field."""
     from nanoqwen_lib.errors import NanoqwenError
-    path = Path(path)
-    r = json.loads(path.read_text())
-    for field in ("spread", "timeline"):
-        if field not in r:
-            raise NanoqwenError(str(path), field, "the persistent step's record with its spread (chapter 10)", "missing")
+    r = _persistent_record(path, ("spread", "timeline"), "the persistent step's record with its spread (chapter 10)")
     out = {}
     for k in RECORD_KINDS[:-1]:
         sp, tk = r["spread"].get(k), r["timeline"]["kinds"].get(k)
@@ -262,11 +268,8 @@ def persistent_figures(path=PERSISTENT_RECORD) -> dict:
     exposed time per layer) and layer_floor_us, and commit and gpu for the conditions.
     A record without these fields is refused, naming the file and the field."""
     from nanoqwen_lib.errors import NanoqwenError
-    path = Path(path)
-    r = json.loads(path.read_text())
-    for field in ("itl_ms", "graph_itl_ms", "floor_ms", "git_commit", "conditions", "timeline"):
-        if field not in r:
-            raise NanoqwenError(str(path), field, "the persistent step's record (chapter 10)", "missing")
+    r = _persistent_record(path, ("itl_ms", "graph_itl_ms", "floor_ms", "git_commit", "conditions", "timeline"),
+                           "the persistent step's record (chapter 10)")
     kinds = r["timeline"]["kinds"]
     missing = [k for k in RECORD_KINDS if k not in kinds]
     if missing:
