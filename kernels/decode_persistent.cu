@@ -51,7 +51,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -97,6 +97,9 @@
 #endif
 #ifndef NQ_PD_QKV_LL
 #error "NQ_PD_QKV_LL: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_SKIP
+#error "NQ_PD_SKIP: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PD_DOWN_DEFER
 #error "NQ_PD_DOWN_DEFER: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
@@ -434,6 +437,19 @@ __device__ __forceinline__ uint4 poll_tagged4(const Ctx& c, const unsigned* p, u
     if ((spin & 63) == 63 && timed_out(err, t0)) break;
   }
   return w;
+}
+
+// [pd-skip] (NQ_PD_SKIP, diagnostic; bits 1 << kind): those layer instructions keep their place
+// in the schedule (begin, wait, signal) and do nothing else: no weights, no inputs, no outputs.
+// The token's values are then meaningless; its time says what the remaining instructions cost
+// on their own (tools/bench_persistent.py --variants bounds).
+static_assert((NQ_PD_SKIP & ~((1 << K_QKV) | (1 << K_ATTN) | (1 << K_O) | (1 << K_GATE_UP) | (1 << K_DOWN))) == 0,
+              "NQ_PD_SKIP: bits 1 << kind of the layer instructions");
+__device__ __forceinline__ constexpr bool skipped(int kind) { return (NQ_PD_SKIP >> kind) & 1; }
+__device__ __forceinline__ void skip_instruction(Ctx& c, int idx, int layer, int kind) {
+  begin_instruction(c);
+  wait_inputs(c);
+  signal_done(c, idx, layer, kind, c.grid);
 }
 
 // ---- GEMV instructions ------------------------------------------------------------------
@@ -1253,17 +1269,22 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
     c.lt = lt;
     c.lt_next = l + 1 < last_layer ? lt + kLayerStride : nullptr;
     const int i0 = 1 + 5 * l;
-    gemv<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS, ST_NORM, EP_BIAS>(
+    if (skipped(K_QKV)) skip_instruction(c, i0, l, K_QKV);
+    else gemv<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS, ST_NORM, EP_BIAS>(
         c, i0, l, K_QKV, ptr<const unsigned char>(lt, L_QKV), ptr<const half>(tab, T_X), ptr<const half>(lt, L_LN1),
         ptr<const half>(lt, L_QKV_BIAS), ptr<half>(tab, T_QKV), smem, red, part);
-    attention(c, i0 + 1, l, lt, smem);
-    gemv<kO.N, kO.K, kO.TG, kO.KS, ST_X, EP_RESIDUAL>(
+    if (skipped(K_ATTN)) skip_instruction(c, i0 + 1, l, K_ATTN);
+    else attention(c, i0 + 1, l, lt, smem);
+    if (skipped(K_O)) skip_instruction(c, i0 + 2, l, K_O);
+    else gemv<kO.N, kO.K, kO.TG, kO.KS, ST_X, EP_RESIDUAL>(
         c, i0 + 2, l, K_O, ptr<const unsigned char>(lt, L_O), ptr<const half>(tab, T_ATTN), nullptr, nullptr,
         ptr<half>(tab, T_X), smem, red, part);
-    gemv<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS, ST_NORM, EP_PLAIN>(
+    if (skipped(K_GATE_UP)) skip_instruction(c, i0 + 3, l, K_GATE_UP);
+    else gemv<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS, ST_NORM, EP_PLAIN>(
         c, i0 + 3, l, K_GATE_UP, ptr<const unsigned char>(lt, L_GATE_UP), ptr<const half>(tab, T_X),
         ptr<const half>(lt, L_LN2), nullptr, ptr<half>(tab, T_GATE_UP), smem, red, part);
-    gemv<kDown.N, kDown.K, kDown.TG, kDown.KS, ST_SWIGLU, EP_RESIDUAL, true>(
+    if (skipped(K_DOWN)) skip_instruction(c, i0 + 4, l, K_DOWN);
+    else gemv<kDown.N, kDown.K, kDown.TG, kDown.KS, ST_SWIGLU, EP_RESIDUAL, true>(
         c, i0 + 4, l, K_DOWN, ptr<const unsigned char>(lt, L_DOWN), ptr<const half>(tab, T_GATE_UP), nullptr,
         nullptr, ptr<half>(tab, T_X), smem, red, part);
   }

@@ -8,8 +8,9 @@ instruction's byte floor.
     python tools/bench_persistent.py [--model 7b] [--steps 64] [--variants 'A=1,B=2;C=3'] [--timelines [--spread]] [--json out.json]
 
 The default variants are the ones PERFLOG.md's latest persistent rows were measured with;
-`--variants v8` the v8 rows, `--variants lanes` the lane path's first run, `--variants next`
-the ones the latest "Next" names (SETS below).
+`--variants v8` the v8 rows, `--variants lanes` the lane path's first run, `--variants v10`
+the request placements and the LL polling, `--variants bounds` the diagnostic builds that
+skip instructions (their tokens are meaningless; their time is what the rest costs alone).
 """
 from __future__ import annotations
 
@@ -45,14 +46,22 @@ DEFAULT = ";".join([                                     # PERFLOG "Persistent d
 LANES = ";".join([                                       # PERFLOG v8's next: attention by lanes, twice (--variants lanes)
     "NQ_PD_ATTN_LANES=0", "", "NQ_PD_ATTN_LANES=0", "",
 ])
-NEXT = ";".join([                                        # PERFLOG v9's next (with --spread --probe 14)
+V10 = ";".join([                                         # PERFLOG v9's next, measured in v10 (--variants v10)
     "", "NQ_PD_ATTN_LANES=2", "NQ_PD_ATTN_LANES=3",     # the lane path's arithmetic unrolled
     "NQ_PD_QKV_PREFETCH=0", "NQ_PD_QKV_PREFETCH=2", "NQ_PD_QKV_PREFETCH=3",   # where down asks for the next qkv
     "NQ_PD_LATE_RING=32", "NQ_PD_LATE_RING=58",         # down's / every GEMV's ring after its wait
     "NQ_PD_QKV_LL=1",                                    # the attention polls tagged q, k, v ([pd-qkv-ll])
     "",
 ])
-SETS = {"v8": V8, "lanes": LANES, "next": NEXT}
+STREAMS = "NQ_PD_SKIP=14,NQ_PD_QKV_PREFETCH=0"             # qkv, attention, o_proj skipped: no qkv share to prefetch
+BOUNDS = ";".join([                                      # PERFLOG v10: what each part costs alone ([pd-skip])
+    "", "NQ_PD_SKIP=4",                                  # no attention (nor the o_proj prefetch it issues)
+    STREAMS,                                             # gate_up, down, lm_head: the streams alone
+    "NQ_PD_SKIP=48",                                     # qkv, attention, o_proj, lm_head: the chains alone
+    "NQ_PD_SKIP=62",                                     # the schedule alone: 141 counters, and the lm_head
+    "",
+])
+SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS}
 
 
 def parse(spec: str) -> list[dict]:

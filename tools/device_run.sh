@@ -30,10 +30,10 @@ for what in "$@"; do
         | tee $OUT/persistent.log | grep -E "layer|near-ties|timed out|tiny|7b:|passed|failed|Error|error" | tail -30
       echo "persistent tests: $(( $(date +%s) - t0 )) s" ;;
     persistent-next)
-      # the lab variants PERFLOG's latest "Next" names, each timed, its timeline read per CTA,
-      # the fastest probed at layer 14 (tools/bench_persistent.py --variants next)
+      # a set of lab variants (VARIANTS, default: the bounds), each timed, its timeline read per
+      # CTA, the fastest probed at layer 14 (tools/bench_persistent.py --variants)
       t0=$(date +%s)
-      timeout ${NEXT_TIMEOUT:-500} python3 tools/bench_persistent.py --timelines --spread --variants next --probe 14 \
+      timeout ${NEXT_TIMEOUT:-500} python3 tools/bench_persistent.py --timelines --spread --variants ${VARIANTS:-bounds} --probe ${PROBE:-14} \
         --json $OUT/persistent-next.json 2>&1 | grep -v '^\[' | tee $OUT/persistent-next.log | tail -80
       echo "persistent-next: $(( $(date +%s) - t0 )) s" ;;
     sanitize-persistent)
