@@ -51,7 +51,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14; NQ_PD_HEAD_BLOCKS=4
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
@@ -98,6 +98,9 @@
 #ifndef NQ_PD_QKV_LL
 #error "NQ_PD_QKV_LL: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
+#ifndef NQ_PD_HEAD_BLOCKS
+#error "NQ_PD_HEAD_BLOCKS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
 #ifndef NQ_PD_SKIP
 #error "NQ_PD_SKIP: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -143,6 +146,9 @@ constexpr int kWarps = NQ_PD_WARPS;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRing = NQ_PD_RING;
 constexpr bool kSmemRing = NQ_PD_SMEM_RING != 0;   // the ring in shared memory (cp.async), else registers
+constexpr int kHead = NQ_PD_HEAD_BLOCKS;            // [pd-head]: gate_up's and down's last blocks a warp, copied early
+static_assert(kHead >= 0 && kHead <= 32, "NQ_PD_HEAD_BLOCKS: 0..32 (a lane issues one block's copy)");
+static_assert(!(kHead > 0 && kSmemRing), "NQ_PD_HEAD_BLOCKS and NQ_PD_SMEM_RING: one shared-memory use of the blocks at a time");
 constexpr bool kFold = NQ_PD_FOLD != 0;
 constexpr int kKmax = NQ_PD_KMAX;
 // A unit's rows: one thread each in the epilogue (config.persistent_plan keeps 16 x tiles <= threads).
@@ -232,7 +238,11 @@ constexpr int kStageBytes = ceil_div(max2(max2(max2(x_bytes(kQkv), x_bytes(kO)),
 constexpr int kRingBytes = kSmemRing ? kRing * kWarps * nqs3::kBlockBytes : 0;
 // ... and NQ_PD_SMEM_PAD_KB reserved, unused (a lab variant: what the shared memory it takes
 // from L1 costs the kernel, with no ring in it).
-constexpr int kSmemBytes = kStageBytes + kRingBytes + NQ_PD_SMEM_PAD_KB * 1024;
+// [pd-head]: each warp's kHead blocks, past the largest GEMV staging (so an instruction's own
+// staging never meets them), over what the attention and the lm_head use in their turns.
+constexpr int kHeadOffset = ceil_div(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))), 128) * 128;
+constexpr int kHeadEnd = kHead > 0 ? kHeadOffset + kWarps * kHead * nqs3::kBlockBytes : 0;
+constexpr int kSmemBytes = max2(kStageBytes, kHeadEnd) + kRingBytes + NQ_PD_SMEM_PAD_KB * 1024;
 
 __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
@@ -308,6 +318,8 @@ struct Ctx {
   long long* tl;            // this CTA's timeline rows (diagnostic build) or null
   int tl_n;
   unsigned long long t_begin, t_ready;
+  uint64_t* head_bar;       // [pd-head]: one mbarrier a warp (shared memory)
+  unsigned head_uses;       // ... and how many of its phases this warp has waited for
 };
 
 // ---- dependencies ----------------------------------------------------------------------
@@ -520,6 +532,29 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   if (kPrefetchNextQkv && NQ_PD_QKV_PREFETCH == 1) prefetch_next_qkv(c);   // a later instruction's weights ([pd-prefetch])
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int b0 = warp * u.nb / kWarps, b1 = (warp + 1) * u.nb / kWarps;   // nb * kWarps < 2^31
+  const int ng = max(u.ng, 1);
+  // [pd-head] gate_up's and down's warps each take their last nh blocks from shared memory:
+  // bulk copies issued now, before the ring and the wait, land while the inputs are awaited and
+  // staged (the register ring alone keeps 2 blocks a warp in flight there); the loop reads them
+  // after its last register block. The same blocks in the same order: the same sums.
+  constexpr bool kHeadStart = kHead > 0 && (kEpi == EP_PLAIN || kStage == ST_SWIGLU);   // gate_up, down
+  const int nh = kHeadStart && b1 - b0 >= kHead + 2 * kRing ? kHead : 0;           // warp-uniform
+  const int b1r = b1 - nh;                             // the register ring's blocks: [b0, b1r)
+  unsigned char* head = xs + kHeadOffset + warp * kHead * nqs3::kBlockBytes;
+  if (kHeadStart) {
+    hopper::fence_proxy_async_smem();   // every thread: its earlier accesses to the region (the attention, the
+    __syncthreads();                    // last GEMV's reads) before the copies overwrite it
+    if (nh > 0) {
+      if (lane == 0) hopper::mbar_arrive_expect_tx(c.head_bar + warp, nh * nqs3::kBlockBytes);
+      __syncwarp();
+      if (lane < nh) {
+        const int hb = b1r + lane;
+        hopper::bulk_copy_g2s(head + lane * nqs3::kBlockBytes,
+                              w + ((size_t)(u.t0 + hb / ng) * G + u.g0 + hb % ng) * nqs3::kBlockBytes,
+                              nqs3::kBlockBytes, c.head_bar + warp);
+      }
+    }
+  }
   __shared__ int wrange[kWarps][2];                      // each warp's first and last tile (local)
   if (lane == 0) { wrange[warp][0] = b0 < b1 ? b0 / max(u.ng, 1) : 1 << 30; wrange[warp][1] = b0 < b1 ? (b1 - 1) / max(u.ng, 1) : -1; }
   // The epilogue's own inputs, early: the bias (never changes) before the wait, the residual
@@ -540,7 +575,6 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   // cp.async.wait_group kRing - 1.
   nqs3::Slot r[kSmemRing ? 1 : kRing];
   unsigned char* ring = xs + kStageBytes + warp * kRing * nqs3::kBlockBytes;
-  const int ng = max(u.ng, 1);
   const unsigned char* lp = w + ((size_t)(u.t0 + b0 / ng) * G + u.g0 + b0 % ng) * nqs3::kBlockBytes;
   int lg = b0 % ng;
   auto next_load = [&]() {
@@ -550,7 +584,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   auto issue_ring = [&]() {
 #pragma unroll
     for (int i = 0; i < kRing; ++i) {
-      if (b0 + i < b1) {
+      if (b0 + i < b1r) {
         if (kSmemRing) nqs3::copy_slot(ring + i * nqs3::kBlockBytes, lp, lane);
         else nqs3::load_slot(r[i], lp, lane);
         next_load();
@@ -651,15 +685,24 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     };
     int b = b0;
 #pragma unroll 1
-    for (; b + 2 * kRing <= b1; b += kRing) {           // steady state: every slot refilled
+    for (; b + 2 * kRing <= b1r; b += kRing) {          // steady state: every slot refilled
 #pragma unroll
       for (int i = 0; i < kRing; ++i) step(i, true);
     }
 #pragma unroll 1
-    for (; b < b1; b += kRing) {                        // the last blocks: refill what remains
+    for (; b < b1r; b += kRing) {                       // the last blocks: refill what remains
 #pragma unroll
       for (int i = 0; i < kRing; ++i)
-        if (b + i < b1) step(i, b + i + kRing < b1);
+        if (b + i < b1r) step(i, b + i + kRing < b1r);
+    }
+    if (kHeadStart && nh > 0) {                         // [pd-head]: the warp's last nh blocks, landed long ago
+      hopper::mbar_wait(c.head_bar + warp, c.head_uses & 1u);
+      ++c.head_uses;
+#pragma unroll 1
+      for (int h = 0; h < nh; ++h) {
+        nqs3::read_slot(r[0], head + h * nqs3::kBlockBytes, lane);
+        step(0, false);
+      }
     }
     if (cg != 0) {
       const int s = min(ct - ft, kKmax - 1);
@@ -1220,6 +1263,14 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   c.tl = NQ_PD_TIMELINE ? ptr<long long>(tab, T_TIMELINE) + (size_t)blockIdx.x * (5 * num_layers + 3) * 4 : nullptr;
   c.tl_n = 0;
   c.t_begin = c.t_ready = 0;
+  __shared__ __align__(8) uint64_t head_bar[kHead > 0 ? kWarps : 1];
+  c.head_bar = head_bar;
+  c.head_uses = 0;
+  if constexpr (kHead > 0) {           // [pd-head]: one barrier a warp, one arrival (its lane 0) a phase
+    if (threadIdx.x < kWarps) hopper::mbar_init(head_bar + threadIdx.x, 1);
+    hopper::fence_mbarrier_init();
+    __syncthreads();   // all threads: the barriers are initialised
+  }
   unsigned dyn;
   asm("mov.u32 %0, %dynamic_smem_size;" : "=r"(dyn));
   // Launched with too little shared memory, or with another grid than the one the plan and

@@ -105,10 +105,11 @@ def test_persistent_equals_graph_up_to_near_ties_7b(file_7b):
     print(f"persistent vs graph: 129 steps, {ties} near-ties")
 
 
-def _decode_bits(eng, defines, prompt, steps=12):
-    """eng's step rebuilt with `defines`: greedy tokens from prompt and every step's logits."""
+def _decode_bits(eng, defines, prompt, steps=12, grid=None):
+    """eng's step rebuilt with `defines` (and `grid` CTAs): greedy tokens from prompt and every
+    step's logits."""
     from nanoqwen_lib.gpu.persistent import PersistentStep
-    eng.pd = PersistentStep(eng, defines=defines)
+    eng.pd = PersistentStep(eng, defines=defines, grid=grid)
     toks, logits = [eng.prefill(prompt)], []
     for _ in range(steps):
         toks.append(eng.decode(toks[-1]))
@@ -173,6 +174,28 @@ def test_request_placement_gives_the_same_bits():
     for v in ({"NQ_PD_QKV_PREFETCH": 0}, {"NQ_PD_QKV_PREFETCH": 3}, {"NQ_PD_LATE_RING": 58}, {"NQ_PD_QKV_LL": 1}):
         t, l = _decode_bits(eng, v, prompt)
         assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32)), v
+
+
+def test_head_blocks_from_shared_memory_give_the_same_bits():
+    """[pd-head]: gate_up's and down's last blocks a warp bulk-copied into shared memory before
+    the wait and multiplied from there, after the register ring's: the same blocks in the same
+    order, so bitwise the default's logits at every step. tiny on 20 CTAs (down on 8 tile sets)
+    gives each warp of both GEMVs enough blocks that every head is taken."""
+    from nanoqwen_lib.config import persistent_plan
+    f, eng = _tiny_engine()
+    d, grid, down = f.dims, 20, {"NQ_PD_DOWN_TG": 8, "NQ_PD_DOWN_KS": 1}
+    plan = dict(persistent_plan(d, grid), **down)
+    for m, n, k in (("GU", 2 * d.intermediate, d.hidden), ("DOWN", d.hidden, d.intermediate)):
+        tiles, tg = -(-n // 16), plan[f"NQ_PD_{m}_TG"]
+        assert plan[f"NQ_PD_{m}_KS"] == 1
+        fewest = min(((u + 1) * tiles // tg - u * tiles // tg) * (k // 128) for u in range(tg)) // 16
+        assert fewest >= 2 + 2 * 2, (m, fewest)          # a head of 2 and the ring's 2 x 2 (NQ_PD_RING = 2)
+    prompt = prompt_ids(np.random.default_rng(17), 23)
+    t0, l0 = _decode_bits(eng, down, prompt, grid=grid)
+    assert np.isfinite(l0).all()
+    for h in (1, 2):
+        t, l = _decode_bits(eng, dict(down, NQ_PD_HEAD_BLOCKS=h), prompt, grid=grid)
+        assert eng.pd.smem > 0 and t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32)), h
 
 
 def test_timeline_build_records_every_instruction():

@@ -92,6 +92,20 @@ def test_shared_memory_ring_adds_its_blocks_behind_the_staging(ring):
     assert b <= 227 * 1024
 
 
+@pytest.mark.parametrize("head", [2, 4, 6])
+def test_head_blocks_sit_past_the_largest_gemv_staging(head):
+    """NQ_PD_HEAD_BLOCKS ([pd-head]): every warp's head of 1056-byte blocks starts at the
+    largest GEMV staging rounded to 128 bytes (for the 7B, down's K slice: 37 groups x 320
+    bytes), overlapping what only the attention and the lm_head use, within 227 KiB."""
+    dims = load().models["7b"]
+    plan = persistent_plan(dims)
+    assert plan["NQ_PD_DOWN_KS"] == 4
+    b = persistent.smem_bytes(dims, plan, {"NQ_PD_HEAD_BLOCKS": head})
+    offset = -(-(37 * 320) // 128) * 128
+    assert b == max(persistent.smem_bytes(dims, plan), offset + head * persistent.TUNING["NQ_PD_WARPS"] * 1056)
+    assert b <= 227 * 1024
+
+
 def test_engine_refuses_bad_decode_modes_before_the_gpu():
     from nanoqwen_lib.gpu.engine import GpuBackend
     f = SimpleNamespace(encoding="fp8", path="model-fp8.nanoqwen")

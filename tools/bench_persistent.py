@@ -10,7 +10,8 @@ instruction's byte floor.
 The default variants are the ones PERFLOG.md's latest persistent rows were measured with;
 `--variants v8` the v8 rows, `--variants lanes` the lane path's first run, `--variants v10`
 the request placements and the LL polling, `--variants bounds` the diagnostic builds that
-skip instructions (their tokens are meaningless; their time is what the rest costs alone).
+skip instructions (their tokens are meaningless; their time is what the rest costs alone),
+`--variants head` the shared-memory heads of gate_up and down.
 """
 from __future__ import annotations
 
@@ -61,7 +62,11 @@ BOUNDS = ";".join([                                      # PERFLOG v10: what eac
     "NQ_PD_SKIP=62",                                     # the schedule alone: 141 counters, and the lm_head
     "",
 ])
-SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS}
+HEAD = ";".join([                                        # [pd-head]: gate_up's and down's last blocks a warp in shared memory
+    "", "NQ_PD_HEAD_BLOCKS=2", "NQ_PD_HEAD_BLOCKS=4", "NQ_PD_HEAD_BLOCKS=6", "NQ_PD_HEAD_BLOCKS=8",
+    "", "NQ_PD_HEAD_BLOCKS=4",
+])
+SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD}
 
 
 def parse(spec: str) -> list[dict]:

@@ -43,7 +43,8 @@ def instructions(num_layers: int) -> int:
 
 def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     """Dynamic shared memory of the kernel (its kSmemBytes): the largest staging of any
-    instruction (kStageBytes, rounded to 16 bytes), then, with NQ_PD_SMEM_RING, every warp's
+    instruction (kStageBytes, rounded to 16 bytes; with NQ_PD_HEAD_BLOCKS, at least the
+    warps' head blocks past the largest GEMV staging), then, with NQ_PD_SMEM_RING, every warp's
     ring of NQ_PD_RING layout-3 blocks, then NQ_PD_SMEM_PAD_KB reserved (a lab variant). The
     kernel refuses a launch with less (scalars[error] = 4)."""
     t = dict(TUNING, **(defines or {}))
@@ -55,8 +56,10 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     parts = t["NQ_PD_WARPS"] if t["NQ_PD_ATTN_MERGE"] else max(t["NQ_PD_WARPS"], t["NQ_PD_ATTN_SPLITS"])
     attn = parts * gqa * (dims.head_dim + 2) * 4 + (gqa + 2) * dims.head_dim * 2   # + q, k, v fp16
     stage = -(-max(x, attn, dims.hidden * 4) // 16) * 16
+    # [pd-head]: each warp's NQ_PD_HEAD_BLOCKS blocks past the largest GEMV staging
+    head = -(-x // 128) * 128 + t["NQ_PD_WARPS"] * t["NQ_PD_HEAD_BLOCKS"] * BLOCK_BYTES if t["NQ_PD_HEAD_BLOCKS"] else 0
     ring = t["NQ_PD_RING"] * t["NQ_PD_WARPS"] * BLOCK_BYTES if t["NQ_PD_SMEM_RING"] else 0
-    return stage + ring + t["NQ_PD_SMEM_PAD_KB"] * 1024
+    return max(stage, head) + ring + t["NQ_PD_SMEM_PAD_KB"] * 1024
 
 
 def layer_stream_slots(dims: ModelDims) -> dict[str, int]:
