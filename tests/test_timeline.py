@@ -222,6 +222,46 @@ def test_persistent_variants_refuse_a_row_without_a_field(tmp_path):
         bench.persistent_variants(bad)
 
 
+def test_persistent_bounds_from_the_committed_record():
+    """Chapter 10's bounds: the diagnostic run's builds, each at most the whole token, and its
+    parts add up: the schedule alone plus what the streams and the chains each add to it is
+    the whole token within 3% (nothing in one overlaps the other)."""
+    from nanoqwen_lib.measure import bench
+    b = bench.persistent_bounds()
+    ms = {k: r["ms"] for k, r in b["rows"].items()}
+    full = (ms["baseline"] + ms["baseline, again"]) / 2
+    assert ms["the schedule alone"] < ms["the chains alone"] < ms["the streams alone"] < ms["no attention"] < full
+    parts = ms["the streams alone"] + ms["the chains alone"] - ms["the schedule alone"]
+    assert abs(parts / full - 1) < 0.03
+    assert set(bench.RECORD_KINDS) <= set(b["floor_ms"]) and sum(b["floor_ms"].values()) < full
+    assert all(r["diagnostic"] for r in b["rows"].values())
+    assert not any(r["diagnostic"] for r in bench.persistent_variants() if r["run"] != b["run"])
+
+
+def test_persistent_bounds_refuse_a_missing_build_or_floor(tmp_path):
+    import json
+    from nanoqwen_lib.errors import NanoqwenError
+    from nanoqwen_lib.measure import bench
+    r = json.loads(bench.VARIANTS_RECORD.read_text())
+    diag = next(run for run in r["runs"] if run.get("diagnostic"))
+    diag["rows"] = [row for row in diag["rows"] if row["label"] != "the chains alone"]
+    bad = tmp_path / "persistent-variants.json"
+    bad.write_text(json.dumps(r))
+    with pytest.raises(NanoqwenError, match=r"persistent-variants.json: runs\[diagnostic\].*no the chains alone"):
+        bench.persistent_bounds(bad)
+    r = json.loads(bench.VARIANTS_RECORD.read_text())
+    del next(run for run in r["runs"] if run.get("diagnostic"))["floor_ms"]["down"]
+    bad.write_text(json.dumps(r))
+    with pytest.raises(NanoqwenError, match=r"floor_ms.*no down"):
+        bench.persistent_bounds(bad)
+    r = json.loads(bench.VARIANTS_RECORD.read_text())
+    for run in r["runs"]:
+        run.pop("diagnostic", None)
+    bad.write_text(json.dumps(r))
+    with pytest.raises(NanoqwenError, match="diagnostic"):
+        bench.persistent_bounds(bad)
+
+
 def test_spread_against_the_instructions_before():
     """synthetic(): instruction i on CTA g is ready at 1000 i + 100 + 15 g and ends at
     1000 i + 600 + 30 g, so instruction i - 1 last ended at 1000 (i - 1) + 810 (CTA 7), except
@@ -278,3 +318,7 @@ def test_persistent_spread_from_the_committed_record(tmp_path):
     bad.write_text(json.dumps(rec))
     with pytest.raises(NanoqwenError, match="spread"):
         bench.persistent_spread(bad)
+    # a run's record in memory (chapter 10 on a GPU) reads the same as the file it would write
+    assert bench.persistent_spread(record=json.loads(bench.PERSISTENT_RECORD.read_text())) == sp
+    with pytest.raises(NanoqwenError, match=r"the run's record \(in memory\): spread"):
+        bench.persistent_spread(bad, record=rec)

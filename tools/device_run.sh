@@ -64,7 +64,9 @@ for what in "$@"; do
         python3 -m nanoqwen_lib generate "$f" --prompt-ids 1,2,999999 --backend gpu; echo "exit $?"
       } 2>&1 | tee $OUT/cli.log ;;
     exec=*)
-      # exec=07,08: execute those chapters in place (their outputs become the goldens)
+      # exec=07,08: execute those chapters in place (their outputs become the goldens, and the
+      # records they write, book/data, the ones the other chapters quote)
+      export NANOQWEN_WRITE_RECORDS=1
       for n in $(echo ${what#exec=} | tr , ' '); do
         nb=$(ls book/$n-*.ipynb); t0=$(date +%s)
         mkdir -p /tmp/exec-logs
@@ -81,6 +83,7 @@ for what in "$@"; do
       echo "nbval ${what#nbval=}: $(( $(date +%s) - t0 )) s" ;;
     gpu-chapters)
       # The chapters whose outputs depend on the GPU, executed in place (their outputs are the goldens).
+      export NANOQWEN_WRITE_RECORDS=1
       for nb in book/0[0246789]-*.ipynb book/10-*.ipynb; do
         t0=$(date +%s)
         timeout 400 jupyter execute --inplace "$nb" >$OUT/$(basename $nb .ipynb).log 2>&1 && r=ok || r=FAILED

@@ -203,9 +203,11 @@ VARIANTS_RECORD = PERSISTENT_RECORD.with_name("persistent-variants.json")
 def persistent_variants(path=VARIANTS_RECORD) -> list[dict]:
     """The persistent kernel's measured variants (tools/bench_persistent.py --timelines
     --json, several runs): one dict per row with run (its commit), baseline (what the run's
-    other rows change), steps (timed, and compared with the run's first row), label, ms,
-    same_tokens and exposed_ms (kind -> ms of one token, RECORD_KINDS). A row that lacks a field is refused,
-    naming the file, the row and the field."""
+    other rows change), diagnostic (a run of builds that skip instructions, [pd-skip]: their
+    values are meaningless), steps (timed, and compared with the run's first row), label, ms,
+    same_tokens, exposed_ms (kind -> ms of one token, RECORD_KINDS) and spread (the per-CTA
+    reading, measure.timeline.spread, or None where the run did not take it). A row that
+    lacks a field is refused, naming the file, the row and the field."""
     from nanoqwen_lib.errors import NanoqwenError
     path = Path(path)
     r = json.loads(path.read_text())
@@ -222,10 +224,38 @@ def persistent_variants(path=VARIANTS_RECORD) -> list[dict]:
             if missing:
                 raise NanoqwenError(str(path), f"{where}.exposed_ms", ", ".join(RECORD_KINDS), "no " + ", ".join(missing))
             out.append({"run": run.get("commit", "?"), "baseline": run.get("baseline", ""), "steps": run["steps"],
+                        "diagnostic": bool(run.get("diagnostic")), "spread": row.get("spread"),
                         **{k: row[k] for k in ("label", "ms", "same_tokens", "exposed_ms")}})
     if not out:
         raise NanoqwenError(str(path), "runs", "at least one run with rows", "none")
     return out
+
+
+BOUNDS_LABELS = ("baseline", "baseline, again", "no attention", "the streams alone", "the chains alone",
+                 "the schedule alone")
+
+
+def persistent_bounds(path=VARIANTS_RECORD) -> dict:
+    """The diagnostic run of the variants record (builds that reduce some instructions to
+    their place in the schedule, [pd-skip]): {"run": commit, "rows": label -> row (as
+    persistent_variants), "floor_ms": kind -> ms of its bytes at the run's read ceiling}.
+    Refused, naming the file and the field, without such a run, one of BOUNDS_LABELS or its
+    floors."""
+    from nanoqwen_lib.errors import NanoqwenError
+    path = Path(path)
+    runs = [r for r in json.loads(path.read_text()).get("runs") or [] if r.get("diagnostic")]
+    if not runs:
+        raise NanoqwenError(str(path), "runs[].diagnostic", "a run of [pd-skip] builds", "none")
+    run = runs[-1]
+    rows = {r["label"]: r for r in persistent_variants(path) if r["diagnostic"] and r["run"] == run.get("commit", "?")}
+    missing = [k for k in BOUNDS_LABELS if k not in rows]
+    if missing:
+        raise NanoqwenError(str(path), "runs[diagnostic].rows[].label", ", ".join(BOUNDS_LABELS), "no " + ", ".join(missing))
+    floors = run.get("floor_ms") or {}
+    missing = [k for k in RECORD_KINDS if k not in floors]
+    if missing:
+        raise NanoqwenError(str(path), "runs[diagnostic].floor_ms", ", ".join(RECORD_KINDS), "no " + ", ".join(missing))
+    return {"run": run.get("commit", "?"), "rows": rows, "floor_ms": floors}
 
 
 SPREAD_FIELDS = ("ready_median", "busy_median", "end_median", "end_last", "tail")
@@ -241,13 +271,20 @@ def _persistent_record(path, fields: tuple, what: str) -> dict:
     return r
 
 
-def persistent_spread(path=PERSISTENT_RECORD) -> dict:
+def persistent_spread(path=PERSISTENT_RECORD, record: dict | None = None) -> dict:
     """Chapter 10's per-CTA reading of its timeline (measure.timeline.spread) for the layer
     kinds, in us: kind -> the spread's fields (SPREAD_FIELDS) and floor (the kind's byte floor
-    per layer, from the same record's timeline). A record without them is refused, naming
-    the file and the field."""
+    per layer, from the same record's timeline). From `record` (a run's record in memory, as
+    chapter 10 writes it) or, without one, the file at path. A record without them is
+    refused, naming the file (or the run) and the field."""
     from nanoqwen_lib.errors import NanoqwenError
-    r = _persistent_record(path, ("spread", "timeline"), "the persistent step's record with its spread (chapter 10)")
+    if record is None:
+        r = _persistent_record(path, ("spread", "timeline"), "the persistent step's record with its spread (chapter 10)")
+    else:
+        r, path = record, "the run's record (in memory)"
+        for field in ("spread", "timeline"):
+            if field not in r:
+                raise NanoqwenError(path, field, "the persistent step's record with its spread (chapter 10)", "missing")
     out = {}
     for k in RECORD_KINDS[:-1]:
         sp, tk = r["spread"].get(k), r["timeline"]["kinds"].get(k)
