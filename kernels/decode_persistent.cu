@@ -232,15 +232,15 @@ constexpr int kAttnParts = kAttnMergeAll || kWarps > kAttnSplits ? kWarps : kAtt
 static_assert(!kAttnMergeAll || kAttnSplits * GQA * 2 + GQA * D + kAttnSplits <= kAttnParts * GQA * (D + 2),
               "[pd-merge-all]: a split's packed slice fits the partials buffer");
 constexpr int kAttnSmem = kAttnParts * GQA * (D + 2) * 4 + (GQA + 2) * D * 2;   // ... + q, k, v fp16
-constexpr int kStageBytes = ceil_div(max2(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))),
-                                           max2(kAttnSmem, H * 4)), 16) * 16;
+constexpr int kXBytes = max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown)));   // largest GEMV staging
+constexpr int kStageBytes = ceil_div(max2(kXBytes, max2(kAttnSmem, H * 4)), 16) * 16;
 // ... then, with NQ_PD_SMEM_RING, each warp's ring of kRing blocks behind it.
 constexpr int kRingBytes = kSmemRing ? kRing * kWarps * nqs3::kBlockBytes : 0;
 // ... and NQ_PD_SMEM_PAD_KB reserved, unused (a lab variant: what the shared memory it takes
 // from L1 costs the kernel, with no ring in it).
 // [pd-head]: each warp's kHead blocks, past the largest GEMV staging (so an instruction's own
 // staging never meets them), over what the attention and the lm_head use in their turns.
-constexpr int kHeadOffset = ceil_div(max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown))), 128) * 128;
+constexpr int kHeadOffset = ceil_div(kXBytes, 128) * 128;
 constexpr int kHeadEnd = kHead > 0 ? kHeadOffset + kWarps * kHead * nqs3::kBlockBytes : 0;
 constexpr int kSmemBytes = max2(kStageBytes, kHeadEnd) + kRingBytes + NQ_PD_SMEM_PAD_KB * 1024;
 

@@ -59,7 +59,7 @@ BOUNDS = ";".join([                                      # PERFLOG v10: what eac
     "", "NQ_PD_SKIP=4",                                  # no attention (nor the o_proj prefetch it issues)
     STREAMS,                                             # gate_up, down, lm_head: the streams alone
     "NQ_PD_SKIP=48",                                     # qkv, attention, o_proj, lm_head: the chains alone
-    "NQ_PD_SKIP=62",                                     # the schedule alone: 141 counters, and the lm_head
+    "NQ_PD_SKIP=62",                                     # the schedule alone: 140 empty instructions, the lm_head
     "",
 ])
 HEAD = ";".join([                                        # [pd-head]: gate_up's and down's last blocks a warp in shared memory

@@ -29,13 +29,13 @@ for what in "$@"; do
       timeout 500 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/test_gpu_persistent.py ${k:+-k "$k"} 2>&1 \
         | tee $OUT/persistent.log | grep -E "layer|near-ties|timed out|tiny|7b:|passed|failed|Error|error" | tail -30
       echo "persistent tests: $(( $(date +%s) - t0 )) s" ;;
-    persistent-next)
+    persistent-variants)
       # a set of lab variants (VARIANTS, default: the bounds), each timed, its timeline read per
       # CTA, the fastest probed at layer 14 (tools/bench_persistent.py --variants)
       t0=$(date +%s)
       timeout ${NEXT_TIMEOUT:-500} python3 tools/bench_persistent.py --timelines --spread --variants ${VARIANTS:-bounds} --probe ${PROBE:-14} \
-        --json $OUT/persistent-next.json 2>&1 | grep -v '^\[' | tee $OUT/persistent-next.log | tail -80
-      echo "persistent-next: $(( $(date +%s) - t0 )) s" ;;
+        --json $OUT/persistent-variants.json 2>&1 | grep -v '^\[' | tee $OUT/persistent-variants.log | tail -80
+      echo "persistent-variants: $(( $(date +%s) - t0 )) s" ;;
     sanitize-persistent)
       # compute-sanitizer racecheck and synccheck on the persistent kernel, tiny and tiny-hd64
       for tool in racecheck synccheck; do for m in tiny tiny-hd64; do
