@@ -486,6 +486,11 @@ __device__ __forceinline__ Unit unit_of(int u) {
   w.nb = w.live ? w.nt * w.ng : 0;
   return w;
 }
+// Block b of unit u (counted tile by tile, ng groups a tile) in a layout-3 matrix of G groups a row.
+template <int G>
+__device__ __forceinline__ const unsigned char* block_at(const unsigned char* w, const Unit& u, int ng, int b) {
+  return w + ((size_t)(u.t0 + b / ng) * G + u.g0 + b % ng) * nqs3::kBlockBytes;
+}
 
 // The warp's blocks [from, from + count) of its range in the CTA's unit of matrix M (lanes
 // 0 .. count - 1, one 1056-byte block each): cp.async.bulk.prefetch.L2, no registers held.
@@ -497,7 +502,7 @@ __device__ __forceinline__ void prefetch_warp(const unsigned char* w, int from, 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int b = warp_first_block(u.nb, warp) + from + lane, b1 = warp_first_block(u.nb, warp + 1);
   if (!u.live || lane >= count || b >= b1) return;
-  prefetch_l2(w + ((size_t)(u.t0 + b / u.ng) * G + u.g0 + b % u.ng) * nqs3::kBlockBytes, nqs3::kBlockBytes);
+  prefetch_l2(block_at<G>(w, u, u.ng, b), nqs3::kBlockBytes);
 }
 // Early prefetches ([pd-prefetch]): o_proj's share and the first NQ_PD_EARLY_BLOCKS of
 // gate_up's while attention runs (no weights of its own); the next layer's qkv share while
@@ -548,15 +553,13 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       if (lane == 0) hopper::mbar_arrive_expect_tx(c.head_bar + warp, nh * nqs3::kBlockBytes);
       __syncwarp();
       if (lane < nh) {
-        const int hb = b1r + lane;
-        hopper::bulk_copy_g2s(head + lane * nqs3::kBlockBytes,
-                              w + ((size_t)(u.t0 + hb / ng) * G + u.g0 + hb % ng) * nqs3::kBlockBytes,
+        hopper::bulk_copy_g2s(head + lane * nqs3::kBlockBytes, block_at<G>(w, u, ng, b1r + lane),
                               nqs3::kBlockBytes, c.head_bar + warp);
       }
     }
   }
   __shared__ int wrange[kWarps][2];                      // each warp's first and last tile (local)
-  if (lane == 0) { wrange[warp][0] = b0 < b1 ? b0 / max(u.ng, 1) : 1 << 30; wrange[warp][1] = b0 < b1 ? (b1 - 1) / max(u.ng, 1) : -1; }
+  if (lane == 0) { wrange[warp][0] = b0 < b1 ? b0 / ng : 1 << 30; wrange[warp][1] = b0 < b1 ? (b1 - 1) / ng : -1; }
   // The epilogue's own inputs, early: the bias (never changes) before the wait, the residual
   // (final before this instruction starts) right after it. Thread i owns unit row i.
   auto row_live = [&](int& row) {
@@ -575,7 +578,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   // cp.async.wait_group kRing - 1.
   nqs3::Slot r[kSmemRing ? 1 : kRing];
   unsigned char* ring = xs + kStageBytes + warp * kRing * nqs3::kBlockBytes;
-  const unsigned char* lp = w + ((size_t)(u.t0 + b0 / ng) * G + u.g0 + b0 % ng) * nqs3::kBlockBytes;
+  const unsigned char* lp = block_at<G>(w, u, ng, b0);
   int lg = b0 % ng;
   auto next_load = [&]() {
     lp += nqs3::kBlockBytes;
