@@ -1,0 +1,209 @@
+"""Records are today's or say they are not.
+
+A record (a JSON file in book/data/ that a chapter quotes) carries its provenance: the commit
+it was measured at and the SHA-256 of every file it measures (the kernels and modules whose
+speed or outputs it holds). `load` hashes those files as they are now, so a record whose code
+changed since says so in one line (`Record.banner()`), the first line a record-backed cell
+prints. The comparison needs no git: it reads the files' bytes, so it holds in a copy of the
+tree without history.
+
+    write(path, data, measures)   the record, with "provenance", written whole (tmp + rename)
+    load(path) -> Record          .data, .commit, .changed, .fresh, .banner()
+    band(x, edges)                a value printed as the band it falls in ("1.2-1.4x")
+
+A measured path is a file or a folder, relative to the repository. A folder's hash covers
+its files in sorted order (path and bytes), leaving out what git ignores here: __pycache__,
+*.pyc, *.egg-info, hidden files and folders.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from nanoqwen_lib.errors import NanoqwenError
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "book" / "data"
+FIELD = "provenance"
+
+
+def _skipped(name: str) -> bool:
+    return name.startswith(".") or name == "__pycache__" or name.endswith((".pyc", ".egg-info"))
+
+
+def _folder_files(folder: Path) -> list[str]:
+    """The files under folder (posix paths relative to it, sorted), without ignored ones."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not _skipped(d)]
+        for f in filenames:
+            if not _skipped(f):
+                out.append((Path(dirpath) / f).relative_to(folder).as_posix())
+    return sorted(out)
+
+
+def _folder_digest(entries: Sequence[tuple[str, bytes]]) -> str:
+    h = hashlib.sha256()
+    for rel, blob in sorted(entries):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(blob).hexdigest().encode() + b"\n")
+    return h.hexdigest()
+
+
+def _rel(p, root: Path) -> str:
+    p = Path(p)
+    if p.is_absolute():
+        try:
+            p = p.resolve().relative_to(root.resolve())
+        except ValueError:
+            raise NanoqwenError(str(p), "measures", f"a path inside the repository {root}", str(p)) from None
+    return p.as_posix()
+
+
+def digest(path: str, root: Path = REPO) -> str | None:
+    """SHA-256 of a measured path as it is now (a file's bytes, or a folder's files), or
+    None where it does not exist."""
+    p = root / path
+    if p.is_file():
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+    if p.is_dir():
+        return _folder_digest([(rel, (p / rel).read_bytes()) for rel in _folder_files(p)])
+    return None
+
+
+def digest_at(commit: str, path: str, root: Path = REPO) -> str | None:
+    """The same digest for the path as committed at `commit` (git show / ls-tree): for
+    giving an older record its provenance. The only function here that calls git."""
+    def git(*args) -> bytes:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
+    kind = subprocess.run(["git", "cat-file", "-t", f"{commit}:{path}"], cwd=root, capture_output=True,
+                          text=True).stdout.strip()
+    if kind == "blob":
+        return hashlib.sha256(git("show", f"{commit}:{path}")).hexdigest()
+    if kind == "tree":
+        names = git("ls-tree", "-r", "--name-only", "-z", commit, "--", path).decode().split("\0")
+        entries = []
+        for name in filter(None, names):
+            rel = Path(name).relative_to(path).as_posix()
+            if any(_skipped(part) for part in Path(rel).parts):
+                continue
+            entries.append((rel, git("show", f"{commit}:{name}")))
+        return _folder_digest(entries)
+    return None
+
+
+def head_commit(root: Path = REPO) -> str:
+    """The commit measured: NANOQWEN_GIT_COMMIT when set (a tree without .git, as on the
+    device machine), else git's HEAD, else "unknown"."""
+    if os.environ.get("NANOQWEN_GIT_COMMIT"):
+        return os.environ["NANOQWEN_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def provenance(measures: Sequence[str], commit: str | None = None, root: Path = REPO) -> dict:
+    """{"git_commit", "measures": path -> digest}: of the files as they are now, or, with
+    commit, as they were at that commit. A path that does not exist is refused."""
+    if isinstance(measures, (str, Path)):
+        measures = [measures]
+    out = {}
+    for m in measures:
+        rel = _rel(m, root)
+        d = digest(rel, root) if commit is None else digest_at(commit, rel, root)
+        if d is None:
+            raise NanoqwenError(rel, "measures", f"a file or folder of the repository{' at ' + commit if commit else ''}",
+                                "no such path")
+        out[rel] = d
+    if not out:
+        raise NanoqwenError("<arguments>", "measures", "at least one path the record measures", "none")
+    return {"git_commit": commit or head_commit(root), "measures": out}
+
+
+def write(path, data: dict, measures: Sequence[str], *, root: Path = REPO, commit: str | None = None) -> Path:
+    """Write data plus its provenance (HEAD, and the digest of each measured path now) to
+    path as JSON, whole or not at all (a temporary file beside it, then a rename). commit:
+    migrating a record measured earlier (the digests are then those at that commit)."""
+    path = Path(path)
+    body = {k: v for k, v in data.items() if k != FIELD}
+    body[FIELD] = provenance(measures, commit=commit, root=root)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(body, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+@dataclass
+class Record:
+    path: str                      # as the banner names it (repository-relative where it can)
+    data: dict                     # the record without its provenance
+    commit: str                    # the commit it was measured at
+    measures: dict                 # path -> digest at that commit
+    changed: list = field(default_factory=list)   # measured paths whose bytes differ now
+
+    @property
+    def fresh(self) -> bool:
+        return not self.changed
+
+    def banner(self) -> str:
+        head = f"record {self.path}: "
+        if self.fresh:
+            return head + f"measured at {self.commit[:7]}; the code it measures is unchanged since"
+        return head + f"STALE: measured at {self.commit[:7]}; changed since: {', '.join(self.changed)}"
+
+
+def load(path, *, root: Path = REPO) -> Record:
+    """The record at path with its provenance checked against the files now. A record
+    without provenance (or without its commit or measures) is refused, naming the file
+    and the field."""
+    path = Path(path)
+    try:
+        name = path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        name = str(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NanoqwenError(name, "(file)", "a record", "no such file") from None
+    except json.JSONDecodeError as e:
+        raise NanoqwenError(name, "(file)", "JSON", f"{e.msg} at line {e.lineno}") from None
+    prov = raw.get(FIELD) if isinstance(raw, dict) else None
+    if not isinstance(prov, dict):
+        raise NanoqwenError(name, FIELD, "the record's provenance {git_commit, measures} (records.write)",
+                            "missing" if prov is None else type(prov).__name__)
+    commit, measures = prov.get("git_commit"), prov.get("measures")
+    if not isinstance(commit, str) or not commit:
+        raise NanoqwenError(name, f"{FIELD}.git_commit", "the commit measured", repr(commit))
+    if not isinstance(measures, dict) or not measures:
+        raise NanoqwenError(name, f"{FIELD}.measures", "path -> sha256 of what the record measures", repr(measures))
+    changed = [p for p, h in measures.items() if digest(p, root) != h]
+    return Record(name, {k: v for k, v in raw.items() if k != FIELD}, commit, dict(measures), changed)
+
+
+def band(x: float, edges: Sequence[float], unit: str = "x", fmt: str = "g") -> str:
+    """x printed as the band of sorted `edges` it falls in: "1.2-1.4x", "< 1x", ">= 2x"
+    (a band holds across runs and GPUs where the raw value does not). A lower edge belongs
+    to its band."""
+    edges = list(edges)
+    if not edges or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise NanoqwenError("<arguments>", "band edges", "at least one edge, strictly increasing", repr(edges))
+    if x != x:
+        raise NanoqwenError("<arguments>", "band value", "a number", "NaN")
+    f = lambda e: format(e, fmt)
+    if x < edges[0]:
+        return f"< {f(edges[0])}{unit}"
+    for lo, hi in zip(edges, edges[1:]):
+        if x < hi:
+            return f"{f(lo)}-{f(hi)}{unit}"
+    return f">= {f(edges[-1])}{unit}"
+
+
+def all_records(data: Path = DATA, root: Path = REPO) -> list[Record]:
+    """Every record in book/data, loaded (refused where one lacks provenance)."""
+    return [load(p, root=root) for p in sorted(Path(data).glob("*.json"))]
