@@ -32,6 +32,52 @@ DATA = REPO / "book" / "data"
 FIELD = "provenance"
 
 
+# What each record measures: the kernels and modules whose speed or outputs it holds (its
+# writer passes the same list to write()). Shared pieces first.
+_K_COMMON = ["kernels/common.cuh", "kernels/hopper.cuh", "kernels/argmax.cuh", "kernels/rowops.cuh"]
+_PLAN = ["nanoqwen_lib/config.py", "nanoqwen_lib/nanoqwen.yaml"]          # kernels' defines, protocol
+_GRAPH_STEP = ["kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/decode_ops.cu",
+               "kernels/paged_attention.cu", "kernels/rope_append.cu", "kernels/lm_head.cu",
+               "kernels/engine_step.cu", "nanoqwen_lib/gpu/engine.py", "nanoqwen_lib/gpu/layer.py",
+               "nanoqwen_lib/gpu/ops_decode.py", "nanoqwen_lib/gpu/ops_gemv.py",
+               "nanoqwen_lib/gpu/ops_attention.py", "nanoqwen_lib/gpu/projection.py"]
+_PERSISTENT = ["kernels/decode_persistent.cu", "kernels/stream3.cuh", "nanoqwen_lib/gpu/persistent.py"]
+_PREFILL_INT4 = ["kernels/prefill_wgmma.cu", "kernels/wgmma_ops.cuh", "kernels/prefill_gemm.cu",
+                 "kernels/prefill_attention.cu", "nanoqwen_lib/gpu/ops_prefill.py", "nanoqwen_lib/gpu/tensor_map.py"]
+_FP8 = ["kernels/fp8.cu", "kernels/fp8.cuh", "nanoqwen_lib/gpu/ops_fp8.py"]
+_BENCH = ["nanoqwen_lib/measure/bench.py", "nanoqwen_lib/measure/breakdown.py", "nanoqwen_lib/measure/timing.py"]
+_PEERS = ["nanoqwen_lib/measure/peers.py", "nanoqwen_lib/measure/peers_torch.py",
+          "nanoqwen_lib/measure/peers_hf.py", "nanoqwen_lib/measure/peer_check.py"]
+
+# `nanoqwen bench --json`, by what it ran
+BENCH_INT4 = _K_COMMON + _PLAN + _GRAPH_STEP + _PREFILL_INT4 + _BENCH            # kernel-per-op graph decode
+BENCH_PERSISTENT = BENCH_INT4 + _PERSISTENT + ["nanoqwen_lib/measure/timeline.py"]
+BENCH_FP8 = _K_COMMON + _PLAN + _GRAPH_STEP + _FP8 + ["kernels/prefill_attention.cu", "nanoqwen_lib/gpu/ops_prefill.py"] + _BENCH
+MEASURES = {   # book/data/<name> -> what it measures
+    "persistent.json": BENCH_PERSISTENT,
+    "persistent-variants.json": _K_COMMON + _PLAN + _PERSISTENT + ["nanoqwen_lib/measure/timeline.py",
+                                                                   "tools/bench_persistent.py"],
+    "bench-int4.json": BENCH_INT4 + _PEERS,
+    "scoreboard.json": BENCH_INT4 + _PEERS,
+    "bench-fp8.json": BENCH_FP8,
+    "prefill-fp8.json": _K_COMMON + _FP8 + ["kernels/lab/wgmma_fp8.cu", "nanoqwen_lib/gpu/lab/fp8.py",
+                                            "tools/bench_prefill.py"],
+    "gemv-bulk.json": _K_COMMON + ["kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/lab/gemv_bulk.cu",
+                                   "nanoqwen_lib/gpu/ops_gemv.py", "nanoqwen_lib/gpu/lab/gemv.py",
+                                   "nanoqwen_lib/measure/timing.py", "tools/bench_gemv.py"],
+    "llama-cpp.json": ["tools/llama_cpp_bench.py"],   # the peer's own code is llama.cpp's, pinned in the record
+}
+ABSENT = "absent"   # a measured path that did not exist at the record's commit (migrated records only)
+
+
+def measures_for(path) -> list[str]:
+    """What the record book/data/<name> measures (MEASURES), refused for an unknown name."""
+    name = Path(path).name
+    if name not in MEASURES:
+        raise NanoqwenError(str(path), "record name", "one of " + ", ".join(sorted(MEASURES)), name)
+    return list(MEASURES[name])
+
+
 def _skipped(name: str) -> bool:
     return name.startswith(".") or name == "__pycache__" or name.endswith((".pyc", ".egg-info"))
 
@@ -96,6 +142,16 @@ def digest_at(commit: str, path: str, root: Path = REPO) -> str | None:
     return None
 
 
+def _earlier_names(rel: str) -> list[str]:
+    """rel, then where it lived before the package was split into gpu/, measure/ and lab/."""
+    names = [rel]
+    for new, old in (("nanoqwen_lib/gpu/lab/", "nanoqwen_lib/lab_"), ("nanoqwen_lib/gpu/", "nanoqwen_lib/"),
+                     ("nanoqwen_lib/measure/", "nanoqwen_lib/"), ("kernels/lab/", "kernels/")):
+        if rel.startswith(new):
+            names.append(old + rel[len(new):])
+    return names
+
+
 def head_commit(root: Path = REPO) -> str:
     """The commit measured: NANOQWEN_GIT_COMMIT when set (a tree without .git, as on the
     device machine), else git's HEAD, else "unknown"."""
@@ -116,7 +172,10 @@ def provenance(measures: Sequence[str], commit: str | None = None, root: Path = 
     out = {}
     for m in measures:
         rel = _rel(m, root)
-        d = digest(rel, root) if commit is None else digest_at(commit, rel, root)
+        if commit is None:
+            d = digest(rel, root)
+        else:   # the file at that commit, where it lived then; ABSENT where it did not exist yet
+            d = next((x for x in (digest_at(commit, n, root) for n in _earlier_names(rel)) if x is not None), ABSENT)
         if d is None:
             raise NanoqwenError(rel, "measures", f"a file or folder of the repository{' at ' + commit if commit else ''}",
                                 "no such path")
@@ -182,7 +241,7 @@ def load(path, *, root: Path = REPO) -> Record:
         raise NanoqwenError(name, f"{FIELD}.git_commit", "the commit measured", repr(commit))
     if not isinstance(measures, dict) or not measures:
         raise NanoqwenError(name, f"{FIELD}.measures", "path -> sha256 of what the record measures", repr(measures))
-    changed = [p for p, h in measures.items() if digest(p, root) != h]
+    changed = [p for p, h in measures.items() if (digest(p, root) or ABSENT) != h]
     return Record(name, {k: v for k, v in raw.items() if k != FIELD}, commit, dict(measures), changed)
 
 
