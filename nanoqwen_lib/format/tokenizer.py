@@ -6,7 +6,11 @@ tokenizer.json stores the same tokens as strings in GPT-2's bytes-to-unicode alp
 (every byte mapped to a printable character, e.g. space -> "Ġ"); inverting that mapping
 gives the ranks back, so no `tokenizers` dependency is needed at runtime.
 
-    text -> NFC -> split out special tokens -> regex pre-split -> BPE on bytes -> ids
+    text -> split out special tokens -> NFC of each other piece -> regex pre-split -> BPE on bytes -> ids
+
+Special tokens come out first, as in Hugging Face's tokenizers (Qwen2's added tokens are not
+normalized): NFC over the whole text would compose a combining mark after a special token
+with its closing ">" (U+0338 after "<|im_end|>" gives U+226F) and lose the special id.
 
 Ids the tokenizer has no token for (151665..152063: the embedding is padded to 152064
 rows) decode to nothing, as in Hugging Face's decode.
@@ -17,6 +21,7 @@ import base64
 import codecs
 import functools
 import json
+import re
 import unicodedata
 from importlib import resources
 from pathlib import Path
@@ -83,6 +88,9 @@ class QwenTokenizer:
         self._enc = tiktoken.Encoding(f"qwen2:{source}", pat_str=pattern,
                                       mergeable_ranks=mergeable_ranks, special_tokens=self.special_tokens)
         self._id_to_special = {i: s.encode() for s, i in self.special_tokens.items()}
+        # the longest special token first: at one position the longest match wins (as in HF)
+        longest_first = sorted(self.special_tokens, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
         self.n_tokens = len(mergeable_ranks) + len(self.special_tokens)
         spec = load().tokenizer
         wanted = [spec.special_tokens[i] for i in spec.eos_ids]
@@ -125,10 +133,22 @@ class QwenTokenizer:
 
     # ---- text <-> ids ---------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """Text -> ids; special tokens written in the text (e.g. <|im_start|>) are recognised."""
+        """Text -> ids; special tokens written in the text (e.g. <|im_start|>) are recognised,
+        in the text as written; the text between them is normalized (NFC) and BPE-encoded."""
+        ids, at = [], 0
+        for m in self._special_re.finditer(text) if self._special_re else ():
+            ids += self._encode_ordinary(text[at:m.start()])
+            ids.append(self.special_tokens[m.group()])
+            at = m.end()
+        return ids + self._encode_ordinary(text[at:])
+
+    def _encode_ordinary(self, piece: str) -> list[int]:
+        """A piece with no special token in it (none is looked for after normalizing, as in HF)."""
+        if not piece:
+            return []
         if self.nfc:
-            text = unicodedata.normalize("NFC", text)
-        return self._enc.encode(text, allowed_special="all")
+            piece = unicodedata.normalize("NFC", piece)
+        return self._enc.encode_ordinary(piece)
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes of one id; b"" for an id with no token (the padded rows of the vocab)."""
@@ -143,20 +163,78 @@ class QwenTokenizer:
     def decode(self, ids) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Qwen2.5's chat format (no tools): a default system turn unless one is given."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Qwen2.5's chat format, as its own template renders it (chat_template_jinja is the
+        Jinja twin): a default system turn unless one is given; with `tools` (JSON schemas),
+        the system turn lists them; an assistant turn may carry `tool_calls`; `tool` turns
+        (tool responses) go back as a user turn, consecutive ones grouped in one."""
         spec = load().tokenizer
-        out = []
-        if not messages or messages[0].get("role") != "system":
-            out.append(f"<|im_start|>system\n{spec.default_system}<|im_end|>\n")
         for k, m in enumerate(messages):
-            role = m.get("role")
-            if role not in ("system", "user", "assistant"):
-                raise LimitError("<arguments>", f"messages[{k}].role", "system, user or assistant", repr(role))
-            out.append(f"<|im_start|>{role}\n{m.get('content', '')}<|im_end|>\n")
+            _check_message(k, m)
+        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+        if tools:
+            out = ["<|im_start|>system\n", spec.default_system if system is None else system, TOOLS_INTRO]
+            out += ["\n" + _tojson(t) for t in tools]
+            out.append(TOOLS_OUTRO)
+        else:
+            out = [f"<|im_start|>system\n{spec.default_system if system is None else system}<|im_end|>\n"]
+        for k, m in enumerate(messages):
+            role, content = m["role"], m.get("content")
+            if role == "user" or (role == "system" and k > 0) or (role == "assistant" and not m.get("tool_calls")):
+                out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            elif role == "assistant":
+                out.append("<|im_start|>assistant" + (f"\n{content}" if content else ""))
+                for call in m["tool_calls"]:
+                    call = call.get("function", call)
+                    out.append(f'\n<tool_call>\n{{"name": "{call["name"]}", "arguments": '
+                               f'{_tojson(call["arguments"])}}}\n</tool_call>')
+                out.append("<|im_end|>\n")
+            elif role == "tool":
+                if k == 0 or messages[k - 1]["role"] != "tool":
+                    out.append("<|im_start|>user")
+                out.append(f"\n<tool_response>\n{content}\n</tool_response>")
+                if k == len(messages) - 1 or messages[k + 1]["role"] != "tool":
+                    out.append("<|im_end|>\n")
         if add_generation_prompt:
             out.append("<|im_start|>assistant\n")
         return "".join(out)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+TOOLS_INTRO = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+               "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+               '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
+
+
+def _tojson(x) -> str:
+    """transformers' `tojson` filter (chat templates): json.dumps, non-ASCII kept."""
+    return json.dumps(x, ensure_ascii=False)
+
+
+def _check_message(k: int, m) -> None:
+    """One message the template can render: a known role, string content (an assistant turn
+    with tool calls may have none), tool calls that name a function and its arguments."""
+    where = f"messages[{k}]"
+    if not isinstance(m, dict):
+        raise LimitError("<arguments>", where, "a dict with 'role' and 'content'", type(m).__name__)
+    role = m.get("role")
+    if role not in ROLES:
+        raise LimitError("<arguments>", f"{where}.role", "system, user, assistant or tool", repr(role))
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if calls:
+        if not isinstance(calls, list):
+            raise LimitError("<arguments>", f"{where}.tool_calls", "a list", type(calls).__name__)
+        for j, call in enumerate(calls):
+            fn = call.get("function", call) if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
+                raise LimitError("<arguments>", f"{where}.tool_calls[{j}]",
+                                 "{'function': {'name': str, 'arguments': ...}}", repr(call)[:80])
+    content = m.get("content")
+    if not isinstance(content, str) and not (calls and content is None):
+        raise LimitError("<arguments>", f"{where}.content", "a string", repr(content)[:80])
 
 
 class StreamDecoder:
@@ -232,15 +310,42 @@ def bpe_merges(tok: QwenTokenizer) -> tuple[tuple[bytes, bytes], ...]:
 
 
 def chat_template_jinja() -> str:
-    """The Jinja twin of QwenTokenizer.apply_chat_template (Qwen2.5's template, tools omitted)."""
+    """The Jinja twin of QwenTokenizer.apply_chat_template: Qwen2.5's chat template (tools,
+    tool calls, tool responses), with the default system prompt of nanoqwen.yaml."""
     system = load().tokenizer.default_system
-    return ("{%- if messages[0]['role'] == 'system' %}"
-            "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-            "{%- else %}{{- '<|im_start|>system\\n" + system + "<|im_end|>\\n' }}{%- endif %}"
-            "{%- for message in messages %}{%- if not (message['role'] == 'system' and loop.first) %}"
-            "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-            "{%- endif %}{%- endfor %}"
-            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    return (
+        "{%- if tools %}"
+        "{{- '<|im_start|>system\\n' }}"
+        "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+        "{%- else %}{{- '" + system + "' }}{%- endif %}"
+        "{{- " + json.dumps(TOOLS_INTRO) + " }}"
+        "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+        "{{- " + json.dumps(TOOLS_OUTRO) + " }}"
+        "{%- else %}"
+        "{%- if messages[0]['role'] == 'system' %}"
+        "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>system\\n" + system + "<|im_end|>\\n' }}{%- endif %}"
+        "{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+        "(message.role == 'assistant' and not message.tool_calls) %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+        "{%- elif message.role == 'assistant' %}"
+        "{{- '<|im_start|>' + message.role }}"
+        "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+        "{%- for tool_call in message.tool_calls %}"
+        "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+        "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+        "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- elif message.role == 'tool' %}"
+        "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+        "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+        "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def hf_tokenizer_files(tok: QwenTokenizer) -> dict[str, bytes]:
