@@ -440,6 +440,7 @@ class Config:
     validation: ValidationSpec
     tokenizer: TokenizerSpec
     tuning: dict  # kernel module -> TuningEntry (a plain dict inside a frozen dataclass: never mutated)
+    hardware: dict  # the design target (gpu.hardware.design_target), a plain dict likewise
     geometry: dict  # kernel module -> {NQ_NAME: int} (the same)
 
     def model(self, name: str) -> ModelDims:
@@ -458,6 +459,19 @@ def _build(cls, raw: dict):
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
 
 
+HARDWARE_FIELDS = {"name": str, "sms": int, "smem_optin": int, "smem_per_sm": int, "regs_per_sm": int,
+                   "clock_khz": int, "read_tbps": float, "read_efficiency": float}
+
+
+def _hardware(raw: dict) -> dict:
+    if set(raw) != set(HARDWARE_FIELDS):
+        raise ConfigError(CONFIG_PATH, "hardware", f"fields {sorted(HARDWARE_FIELDS)}", sorted(raw))
+    for k, t in HARDWARE_FIELDS.items():
+        if not isinstance(raw[k], t) or (t is not str and raw[k] <= 0):
+            raise ConfigError(CONFIG_PATH, f"hardware.{k}", f"a positive {t.__name__}", repr(raw[k]))
+    return dict(raw)
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> Config:
     """Read nanoqwen.yaml once."""
@@ -472,6 +486,7 @@ def load() -> Config:
         validation=_build(ValidationSpec, raw["validation"]),
         tokenizer=_build(TokenizerSpec, raw["tokenizer"]),
         tuning=_tuning(raw["tuning"]),
+        hardware=_hardware(raw["hardware"]),
         geometry=_geometry(raw["geometry"], raw["tuning"]),
     )
 
@@ -479,49 +494,6 @@ def load() -> Config:
 def tuning_defines() -> dict[str, int]:
     """Every kernel's tuning knobs at their defaults (nanoqwen.yaml `tuning:`, all modules)."""
     return {k: v for e in load().tuning.values() for k, v in e.defines.items()}
-
-
-def persistent_plan(dims: ModelDims, sms: int | None = None) -> dict[str, int]:
-    """How the persistent decode step (kernels/decode_persistent.cu) cuts each layer GEMV over
-    a grid of `sms` CTAs (default: engine.persistent.sms): NQ_PD_<M>_TG tile sets x
-    NQ_PD_<M>_KS K slices, one unit per CTA. A unit's time is modelled as its largest share of
-    1056-byte layout-3 blocks at one SM's share of the read ceiling, plus one global round trip
-    when KS > 1 (the last unit of a tile set adds the slices); the plan takes the cheapest
-    split whose warps each touch at most NQ_PD_KMAX tiles and whose units have at most one row
-    per thread (the epilogue). Pure arithmetic: the CPU build and
-    the engine (with the device's SM count) call the same function."""
-    cfg = load().engine.persistent
-    sms = sms or cfg["sms"]
-    tun = load().tuning["decode_persistent"].defines
-    warps, kmax = tun["NQ_PD_WARPS"], tun["NQ_PD_KMAX"]
-    group = load().format.group_size
-    block = 16 * group // 2 + 32                        # format/stream_layout.BLOCK_BYTES
-    out = {}
-    for name, (n, k) in (("QKV", (dims.qkv_dim, dims.hidden)), ("O", (dims.hidden, dims.q_dim)),
-                         ("GU", (2 * dims.intermediate, dims.hidden)), ("DOWN", (dims.hidden, dims.intermediate))):
-        t, g = -(-n // 16), k // group
-        best = None
-        for ks in range(1, g + 1):
-            tg = min(t, sms // ks)
-            if tg < 1:
-                break
-            ng, nt = -(-g // ks), -(-t // tg)
-            if 16 * nt > 32 * warps:                    # the epilogue: one thread per row of the unit
-                continue
-            nb = nt * ng
-            per_warp = -(-nb // warps)
-            if (ng - 1 + per_warp - 1) // ng + 1 > kmax:
-                continue
-            cost = nb * block / cfg["sm_bytes_per_ns"] + (cfg["reduce_ns"] if ks > 1 else 0.0)
-            if best is None or cost < best[0]:
-                best = (cost, tg, ks)
-        if best is None:
-            from nanoqwen_lib.errors import LimitError
-            raise LimitError("kernels/decode_persistent.cu", f"{name} GEMV ({n} x {k}) over {sms} CTAs",
-                             f"a split whose warps each touch <= NQ_PD_KMAX = {kmax} tiles",
-                             "none (too few SMs: use decode=graph)")
-        out[f"NQ_PD_{name}_TG"], out[f"NQ_PD_{name}_KS"] = best[1], best[2]
-    return out
 
 
 def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
@@ -551,5 +523,4 @@ def cuda_defines(dims: ModelDims | None = None) -> dict[str, int]:
             "NQ_HEAD_DIM": dims.head_dim,
             "NQ_VOCAB": dims.vocab,
         })
-        d.update(persistent_plan(dims))   # the engine overrides with the device's SM count
     return d

@@ -181,7 +181,7 @@ def test_head_blocks_from_shared_memory_give_the_same_bits():
     the wait and multiplied from there, after the register ring's: the same blocks in the same
     order, so bitwise the default's logits at every step. tiny on 20 CTAs (down on 8 tile sets)
     gives each warp of both GEMVs enough blocks that every head is taken."""
-    from nanoqwen_lib.config import persistent_plan
+    from nanoqwen_lib.gpu.persistent import persistent_plan
     f, eng = _tiny_engine()
     d, grid, down = f.dims, 20, {"NQ_PD_DOWN_TG": 8, "NQ_PD_DOWN_KS": 1}
     plan = dict(persistent_plan(d, grid), **down)
@@ -237,7 +237,7 @@ def test_unresident_grid_times_out_instead_of_hanging():
     eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False)
     first = eng.prefill([1, 2, 3])
     own = eng.pd
-    starved = PersistentStep(eng, grid=4 * own.grid)
+    starved = PersistentStep(eng, grid=4 * own.grid, residency=False)
     t0 = time.monotonic()
     with eng.stream:
         _launch(starved, starved.grid, f.dims)

@@ -194,11 +194,14 @@ TUNED = [(name, knob) for name in ALL for knob in guarded_knobs(name)
 
 def test_every_tuning_knob_is_guarded_and_configured():
     """Each knob of nanoqwen.yaml `tuning:` is required by some kernel file, and every
-    #error-guarded NQ_* name of a kernel is set by config.cuda_defines."""
+    #error-guarded NQ_* name of a kernel is set by config.cuda_defines or, for a kernel a
+    planner configures, by its plan (cuda_build.planned_defines)."""
     guarded = {k for name in ALL for k in guarded_knobs(name)}
     assert set(config.tuning_defines()) <= guarded, set(config.tuning_defines()) - guarded
-    assert guarded <= set(config.cuda_defines(config.load().model("7b"))), \
-        guarded - set(config.cuda_defines(config.load().model("7b")))
+    dims = config.load().model("7b")
+    for name in ALL:
+        have = set(config.cuda_defines(dims)) | set(cuda_build.planned_defines(name.split("/")[-1], dims))
+        assert set(guarded_knobs(name)) <= have, (name, set(guarded_knobs(name)) - have)
 
 
 @pytest.mark.parametrize("name,knob", TUNED, ids=[f"{n}-{k}" for n, k in TUNED])

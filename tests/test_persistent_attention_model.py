@@ -17,7 +17,7 @@ TUN = config.load().tuning["decode_persistent"].defines
 F32 = np.float32
 
 
-SMS = config.load().engine.persistent["sms"]
+SMS = config.load().hardware["sms"]
 KVH_7B = config.load().models["7b"].num_kv_heads
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nanoqwen_lib import config
-from nanoqwen_lib.gpu import cuda_build
+from nanoqwen_lib.gpu import cuda_build, persistent
 
 TUN = config.load().tuning["decode_persistent"].defines
 
@@ -61,7 +61,7 @@ def model_gemv(blocks: np.ndarray, tg: int, ks: int, warps: int, kmax: int) -> n
 @pytest.mark.parametrize("sms", [132, 78])
 def test_every_block_reaches_its_rows_once(model, sms):
     dims = config.load().models[model]
-    plan = config.persistent_plan(dims, sms)
+    plan = persistent.persistent_plan(dims, sms)
     rng = np.random.default_rng(sms)
     shapes = {"QKV": (dims.qkv_dim, dims.hidden), "O": (dims.hidden, dims.q_dim),
               "GU": (2 * dims.intermediate, dims.hidden), "DOWN": (dims.hidden, dims.intermediate)}

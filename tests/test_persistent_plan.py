@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanoqwen_lib.config import load, persistent_plan
+from nanoqwen_lib.config import load
+from nanoqwen_lib.gpu.persistent import persistent_plan
 from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.gpu import cuda_build, persistent
 from nanoqwen_lib.measure.timeline import KINDS

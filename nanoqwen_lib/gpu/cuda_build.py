@@ -76,12 +76,23 @@ def kernel_source(name: str) -> str:
     return (KERNEL_DIR / f"{name}.cu").read_text()
 
 
+def planned_defines(name: str, dims: ModelDims | None) -> dict:
+    """The constants of kernels/<name>.cu that a planner computes for this machine rather than
+    nanoqwen.yaml fixes: the persistent step's split of each GEMV (gpu.persistent, for
+    hardware().sms CTAs). Only that kernel gets them; an extra define overrides them."""
+    if name == "decode_persistent" and dims is not None:
+        from nanoqwen_lib.gpu.persistent import persistent_plan
+        return persistent_plan(dims)
+    return {}
+
+
 def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None,
                   name_expressions: tuple[str, ...] = ()) -> tuple[bytes, str]:
     """Compile kernels/<name>.cu for its target (sm_90, or its nq-arch line) through NVRTC
     without a GPU. Returns (cubin, log)."""
     from cupy_backends.cuda.libs import nvrtc
 
+    extra_defines = {**planned_defines(name, dims), **(extra_defines or {})}
     src = kernel_source(name)
     prog = nvrtc.createProgram(src, f"{name}.cu", [], [])
     try:
@@ -168,6 +179,8 @@ def resource_report(log: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _load_module_cached(name: str, dims: ModelDims | None, extra: tuple) -> "object":
+    from nanoqwen_lib.gpu.hardware import require_hopper
+    require_hopper(f"kernels/{name}.cu")        # before CuPy hands another GPU's -arch to NVRTC
     import cupy
 
     opts = compile_options(dims, dict(extra), include_cuda=True, arch=kernel_arch(name))
@@ -175,14 +188,15 @@ def _load_module_cached(name: str, dims: ModelDims | None, extra: tuple) -> "obj
 
 
 def load_module(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None):
-    """cupy.RawModule for kernels/<name>.cu with the runtime's options (needs a GPU)."""
-    return _load_module_cached(name, dims, tuple(sorted((extra_defines or {}).items())))
+    """cupy.RawModule for kernels/<name>.cu with the runtime's options (needs a Hopper GPU:
+    anything else is refused in one line, gpu.hardware.require_hopper)."""
+    extra = {**planned_defines(name, dims), **(extra_defines or {})}
+    return _load_module_cached(name, dims, tuple(sorted(extra.items())))
 
 
 def have_gpu() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    """True when this machine's GPU can run the kernels (gpu.hardware.gpu_status: CuPy imports,
+    talks to the driver, and device 0 is Hopper sm_90). The chapters take their GPU path and
+    the GPU tests run only then; gpu_status().reason says why not."""
+    from nanoqwen_lib.gpu.hardware import gpu_status
+    return gpu_status().usable

@@ -86,6 +86,24 @@ def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4", decode:
     return p
 
 
+def persistent_or_graph(dims: ModelDims, asked: bool) -> str:
+    """The decode step for this machine when the persistent one is wanted: "persistent" if its
+    plan fits the SMs this machine plans for (gpu.hardware), else, unless it was asked for by
+    name (then the plan's error is raised), "graph", said in one line on stderr."""
+    from nanoqwen_lib.gpu.hardware import hardware
+    from nanoqwen_lib.gpu.persistent import persistent_plan
+    try:
+        persistent_plan(dims)
+        return "persistent"
+    except LimitError as e:
+        if asked:
+            raise
+        import sys
+        print(f"nanoqwen: the persistent decode step does not fit {hardware().sms} SMs ({e}); "
+              f"decoding with the kernel-per-op step (decode=graph)", file=sys.stderr)
+        return "graph"
+
+
 def weight_sources(dims: ModelDims) -> list[tuple[str, str, int]]:
     """(file tensor, arena slot, first row) for every weight upload."""
     out = [("model.embed_tokens.weight", "w.embed", 0), ("model.norm.weight", "w.norm", 0)]
@@ -124,19 +142,25 @@ class GpuBackend:
     """
 
     name = "gpu"
-    pd = None            # the persistent step (gpu.persistent.PersistentStep) when decode="persistent"
+    _pd = None           # the persistent step (the pd property)
+    graphs = None
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
                  prefill: str = "tensor-core", prefill_gemm: str | None = None, decode: str | None = None,
                  timeline: bool = False):
         if prefill not in PREFILL_MODES:               # refused before anything touches the GPU
             raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
+        asked = decode
         decode = decode or load().engine.decode[nq_file.encoding]
         if decode not in DECODE_MODES:
             raise LimitError("<engine>", "decode", f"one of {DECODE_MODES}", repr(decode))
         if decode == "persistent" and nq_file.encoding != "int4":
             raise LimitError(str(nq_file.path), "decode", "graph for an FP8 file (the persistent step reads INT4)",
                              repr(decode))
+        from nanoqwen_lib.gpu.hardware import require_hopper
+        require_hopper("GpuBackend")                   # one line on any other GPU, before a kernel is built
+        if decode == "persistent":
+            decode = persistent_or_graph(nq_file.dims, asked is not None)
         if prefill_gemm is not None and prefill_gemm not in PREFILL_GEMMS:
             raise LimitError("<engine>", "prefill_gemm", f"one of {PREFILL_GEMMS}", repr(prefill_gemm))
         import cupy as cp
@@ -166,18 +190,33 @@ class GpuBackend:
         self.host_tokens = np.frombuffer(self.token_staging, np.int32, self.pages * KV.page_tokens)
         step = load_module("engine_step", dims)
         self.k_begin, self.k_end = step.get_function("nq_step_begin"), step.get_function("nq_step_end")
-        self.pd = None
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.prefill_mode = prefill
+        self.use_graphs, self.graphs = graphs, None
+        self._pd = None
         if decode == "persistent":
             from nanoqwen_lib.gpu.persistent import PersistentStep
             PersistentStep.upload_streams(a, dims, nq_file)
             self.pd = PersistentStep(self, timeline=timeline)
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        self.prefill_mode = prefill
-        self.use_graphs, self.graphs = graphs, None
         self._steps = {}                 # new_page -> the step's launch list (enqueue_step)
         self.position = 0
         if graphs:
             self.capture_graphs()
+
+    @property
+    def pd(self):
+        """The persistent step (gpu.persistent.PersistentStep) when decode="persistent", else None."""
+        return self._pd
+
+    @pd.setter
+    def pd(self, step) -> None:
+        """Replace the persistent step (another build or grid: the bench, the timeline, the
+        tests). The captured graphs hold the old step's kernel and buffers, which go with it,
+        so they are captured again for the new one (capture only: no step runs, the sequence
+        stays where it is)."""
+        self._pd = step
+        if self.graphs is not None:
+            self._capture()
 
     # ------------------------------------------------------------------ host -> device
     def _upload_scalars(self) -> None:
@@ -300,14 +339,19 @@ class GpuBackend:
         they are never re-captured."""
         self.reset()
         self.launch_step(0)
-        self.graphs = {}
+        self._capture()
+        self.reset()
+
+    def _capture(self) -> None:
+        """The two graphs of the step as it is now (every module already built)."""
+        graphs = {}
         for new_page in (False, True):
             with self.stream:
                 self.stream.begin_capture()
                 self.enqueue_step(new_page)
-                self.graphs[new_page] = self.stream.end_capture()
-            self.graphs[new_page].upload(self.stream)
-        self.reset()
+                graphs[new_page] = self.stream.end_capture()
+            graphs[new_page].upload(self.stream)
+        self.graphs = graphs
 
     def launch_step(self, token: int | None = None, replay: bool | None = None) -> None:
         """Enqueue one step at self.position. token, when given, is written into the device

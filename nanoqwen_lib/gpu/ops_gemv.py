@@ -51,10 +51,10 @@ def gemv_kernel(name: str, tuning: dict | None, module: str = "gemv_int4"):
     return _kernel(module, name, tuple(sorted({**GEMV_TUNING, **(tuning or {})}.items())))
 
 
-@functools.lru_cache(maxsize=None)
 def num_sms() -> int:
-    import cupy as cp
-    return cp.cuda.Device().attributes["MultiProcessorCount"]
+    """The SMs this machine plans for (gpu.hardware: the device's, or $NANOQWEN_SMS)."""
+    from nanoqwen_lib.gpu.hardware import hardware
+    return hardware().sms
 
 
 @dataclass

@@ -38,6 +38,7 @@ from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.config import ModelDims, load
 from nanoqwen_lib.errors import LimitError, NanoqwenError
 from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_int4_weights, check_no_alias, device_ptr
+from nanoqwen_lib.gpu.ops_gemv import num_sms
 
 GROUP = load().format.group_size
 PAGE_TOKENS = load().kv_cache.page_tokens
@@ -85,12 +86,6 @@ GEMM_KERNELS = ("wgmma", "mma")
 DEFAULT_GEMM_KERNEL = "mma"
 _PA = load().geometry["prefill_attention"]
 ATTN_BQ, ATTN_THREADS, ROPE_THREADS = _PA["NQ_PA_BQ"], 32 * _PA["NQ_PA_WARPS"], _PA["NQ_PA_ROPE_THREADS"]
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms() -> int:
-    import cupy as cp
-    return cp.cuda.Device().attributes["MultiProcessorCount"]
 
 
 # ---- argument checks ----------------------------------------------------------------------
@@ -234,7 +229,8 @@ def _kernel_choice(fn: str, kernel, n: int, *, bm=None, warps_m=None, bn=None) -
 
 
 # ---- the wgmma GEMM -----------------------------------------------------------------------
-SMEM_OPTIN = 227 * 1024               # the H200's per-block shared memory (opt-in maximum)
+SMEM_OPTIN = load().hardware["smem_optin"]   # sm_90's per-block opt-in maximum (227 KiB): the ring is
+# sized for it at build time, on a CPU too; gpu.hardware checks a device against sm_90 first
 
 
 def wgmma_stage_bytes(bn: int, row_bytes: int = WGMMA_ROW_BYTES) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanoqwen_lib.config import ModelDims, load, persistent_plan
+from nanoqwen_lib.config import ModelDims, load
 from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.format.layout import decode_gemv_shapes
 from nanoqwen_lib.format.stream_layout import BLOCK_BYTES, stream_bytes
@@ -34,6 +34,64 @@ F_BEGIN, F_HEAD = 1, 2
 ERRORS = {3: "a dependency wait timed out (NQ_PD_TIMEOUT_MS)",
           4: "launched with too little shared memory or another grid than its buffers were sized for",
           5: "the plan broke a kernel limit (NQ_PD_KMAX tiles a warp, a row a thread)"}
+
+
+def persistent_plan(dims: ModelDims, sms: int | None = None, hw=None) -> dict[str, int]:
+    """How the persistent decode step (kernels/decode_persistent.cu) cuts each layer GEMV over
+    a grid of `sms` CTAs (default: hardware().sms, the SMs this machine plans for): NQ_PD_<M>_TG tile sets x
+    NQ_PD_<M>_KS K slices, one unit per CTA. A unit's time is modelled as its largest share of
+    1056-byte layout-3 blocks at one SM's share of the read ceiling, plus one global round trip
+    when KS > 1 (the last unit of a tile set adds the slices); the plan takes the cheapest
+    split whose warps each touch at most NQ_PD_KMAX tiles and whose units have at most one row
+    per thread (the epilogue). Pure arithmetic: the CPU build and
+    the engine (with the device's SM count) call the same function."""
+    from nanoqwen_lib.gpu.hardware import hardware
+    cfg, hw = load().engine.persistent, hw or hardware()
+    sms = sms or hw.sms
+    tun = load().tuning["decode_persistent"].defines
+    warps, kmax = tun["NQ_PD_WARPS"], tun["NQ_PD_KMAX"]
+    group = load().format.group_size
+    block = 16 * group // 2 + 32                        # format/stream_layout.BLOCK_BYTES
+    out = {}
+    for name, (n, k) in (("QKV", (dims.qkv_dim, dims.hidden)), ("O", (dims.hidden, dims.q_dim)),
+                         ("GU", (2 * dims.intermediate, dims.hidden)), ("DOWN", (dims.hidden, dims.intermediate))):
+        t, g = -(-n // 16), k // group
+        best = None
+        for ks in range(1, g + 1):
+            tg = min(t, sms // ks)
+            if tg < 1:
+                break
+            ng, nt = -(-g // ks), -(-t // tg)
+            if 16 * nt > 32 * warps:                    # the epilogue: one thread per row of the unit
+                continue
+            nb = nt * ng
+            per_warp = -(-nb // warps)
+            if (ng - 1 + per_warp - 1) // ng + 1 > kmax:
+                continue
+            cost = nb * block / hw.sm_bytes_per_ns + (cfg["reduce_ns"] if ks > 1 else 0.0)
+            if best is None or cost < best[0]:
+                best = (cost, tg, ks)
+        if best is None:
+            raise LimitError("kernels/decode_persistent.cu", f"{name} GEMV ({n} x {k}) over {sms} CTAs",
+                             f"a split whose warps each touch <= NQ_PD_KMAX = {kmax} tiles",
+                             "none (too few SMs: use decode=graph)")
+        out[f"NQ_PD_{name}_TG"], out[f"NQ_PD_{name}_KS"] = best[1], best[2]
+    return out
+
+
+def check_plan(dims: ModelDims, plan: dict, grid: int) -> None:
+    """Every unit of every GEMV must have a CTA: NQ_PD_<M>_TG tile sets x NQ_PD_<M>_KS K
+    slices at most the grid (a split beyond it would leave work undone), and KS at most the
+    matrix's groups. An override (a lab variant's split) is checked like the plan."""
+    group = load().format.group_size
+    for m, k in (("QKV", dims.hidden), ("O", dims.q_dim), ("GU", dims.hidden), ("DOWN", dims.intermediate)):
+        tg, ks = plan[f"NQ_PD_{m}_TG"], plan[f"NQ_PD_{m}_KS"]
+        if tg < 1 or ks < 1 or tg * ks > grid:
+            raise LimitError(f"kernels/{KERNEL}.cu", f"NQ_PD_{m}_TG x NQ_PD_{m}_KS",
+                             f"units (tile sets x K slices) between 1 and the grid, {grid} CTAs",
+                             f"{tg} x {ks} = {tg * ks}")
+        if ks > k // group:
+            raise LimitError(f"kernels/{KERNEL}.cu", f"NQ_PD_{m}_KS", f"<= {k // group} (the groups of K = {k})", ks)
 
 
 def instructions(num_layers: int) -> int:
@@ -77,16 +135,19 @@ def add_slots(plan, dims: ModelDims) -> None:
 class PersistentStep:
     """The kernel, its buffers and its pointer table for one engine (GpuBackend)."""
 
-    def __init__(self, eng, timeline: bool = False, defines: dict | None = None, grid: int | None = None):
-        """grid: CTAs of a launch, default one per SM. The plan and every per-CTA buffer are
-        sized for it, and the kernel refuses any other grid (error 4). More CTAs than SMs
-        cannot all be resident: the timeout test's way to starve the waits."""
+    def __init__(self, eng, timeline: bool = False, defines: dict | None = None, grid: int | None = None,
+                 residency: bool = True):
+        """grid: CTAs of a launch, default one per SM this machine plans for (hardware().sms).
+        The plan and every per-CTA buffer are sized for it, and the kernel refuses any other
+        grid (error 4). A grid the occupancy API says cannot be resident at once is refused
+        here; residency=False skips that check (the timeout test's way to starve the waits)."""
         import cupy as cp
         from nanoqwen_lib.gpu.cuda_build import load_module
         self.cp, self.eng = cp, eng
         dims = self.dims = eng.dims
+        from nanoqwen_lib.gpu.hardware import hardware
         dev = cp.cuda.Device()
-        self.grid = grid or dev.attributes["MultiProcessorCount"]
+        self.grid = grid or hardware().sms             # one CTA per SM this machine plans for
         if self.grid < dims.num_kv_heads:                # attention: a CTA per KV head at least
             raise LimitError(f"kernels/{KERNEL}.cu", "grid (CTAs of the persistent step)",
                              f">= num_kv_heads = {dims.num_kv_heads}", self.grid)
@@ -95,6 +156,7 @@ class PersistentStep:
         # the workspaces and the shared memory are sized for the split the kernel runs
         self.plan = persistent_plan(dims, self.grid)
         self.plan.update({k: int(v) for k, v in self.extra.items() if k in self.plan})
+        check_plan(dims, self.plan, self.grid)
         self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **self.extra)
         self.timeline_on = timeline
         self.kernel = load_module(KERNEL, dims, self.defines).get_function("nq_decode_persistent")
@@ -102,7 +164,8 @@ class PersistentStep:
         self.threads = 32 * t["NQ_PD_WARPS"]
         self.smem = smem_bytes(dims, self.plan, self.defines)
         self.kernel.max_dynamic_shared_size_bytes = self.smem
-        self._check_residency(dev)
+        if residency:
+            self._check_residency(dev)
         a, L = eng.arena, dims.num_layers
         gqa = dims.num_heads // dims.num_kv_heads
         ws_rows = max(self.plan[f"NQ_PD_{m}_KS"] * n
@@ -141,8 +204,12 @@ class PersistentStep:
         cp.cuda.Device().synchronize()      # the zeroed buffers (default stream) before any launch on the engine's
 
     def _check_residency(self, dev) -> None:
-        """Every CTA must be resident at once (they wait on each other): one CTA per SM must
-        fit by registers and shared memory, or the launch is refused here."""
+        """Every CTA must be resident at once (they wait on each other). The occupancy API
+        says how many CTAs of this build (its registers, threads and shared memory) one SM
+        holds; the grid must fit that many on every SM of the device, or the launch is
+        refused here, before it could wait forever (the kernel's timeout is the last resort:
+        MPS or a concurrent kernel can still take SMs away)."""
+        from cupy_backends.cuda.api import driver
         regs = self.kernel.num_regs * self.threads
         smem = self.smem + self.kernel.shared_size_bytes
         if regs > dev.attributes["MaxRegistersPerMultiprocessor"]:
@@ -151,6 +218,12 @@ class PersistentStep:
         if smem > dev.attributes["MaxSharedMemoryPerMultiprocessor"]:
             raise LimitError(f"kernels/{KERNEL}.cu", "shared memory per CTA",
                              f"<= {dev.attributes['MaxSharedMemoryPerMultiprocessor']}", smem)
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(self.kernel.ptr, self.threads, self.smem)
+        resident = per_sm * dev.attributes["MultiProcessorCount"]
+        if self.grid > resident:
+            raise LimitError(f"kernels/{KERNEL}.cu", "grid (CTAs that must be resident at once)",
+                             f"<= {resident} ({per_sm} a SM by the occupancy API x "
+                             f"{dev.attributes['MultiProcessorCount']} SMs)", self.grid)
 
     @staticmethod
     def upload_streams(arena, dims: ModelDims, nq_file=None) -> None:
