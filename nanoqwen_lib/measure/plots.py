@@ -201,3 +201,54 @@ def stacked_barh(rows: dict[str, dict[str, float]], xlabel: str, title: str = ""
         ax.text(max(v, left[y]), y, " " + fmt.format(v), va="center", fontsize=8)
     ax.set_xlim(right=max(max(ends), max(left)) * VALUE_ROOM_LINEAR)
     return _finish_barh(ax, list(rows), xlabel, title)
+
+
+def variant_steps(variants: list[dict], title: str = "", ax=None):
+    """The persistent kernel's tuning runs as one figure (measure.bench.persistent_variants'
+    rows, diagnostic runs left out): one column per run in order, its baseline's ITL joined
+    to the next run's by a line, every variant the run timed as a dot (green: faster than
+    that run's baseline, red: slower; hollow: its greedy tokens part from the baseline's at
+    a near-tie), under each column the run's fastest variant with its change, or "no variant
+    faster". Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    runs: dict = {}
+    for r in variants:
+        if not r.get("diagnostic"):
+            runs.setdefault(r["run"], []).append(r)
+    if not runs:
+        raise ValueError("variant_steps: no non-diagnostic run among the rows")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10.0, 4.2))
+    base = []
+    for x, rows in enumerate(runs.values()):
+        b = rows[0]["ms"]
+        base.append(b)
+        others = [r for r in rows[1:] if not r["label"].startswith("baseline")]
+        for j, r in enumerate(others):
+            dx = (j - (len(others) - 1) / 2) * min(0.08, 0.6 / max(1, len(others)))
+            color = "#2ca02c" if r["ms"] < b else "#d62728"
+            hollow = r["same_tokens"] < r["steps"]
+            ax.plot(x + dx, r["ms"], "o", ms=6, color=color, mfc="white" if hollow else color, alpha=0.85)
+        low = min([b] + [r["ms"] for r in others])
+        best = min(others, key=lambda r: r["ms"]) if others else None
+        note = (f"{best['label'].strip(' +')}\n{best['ms'] / b - 1:+.1%}" if best and best["ms"] < b
+                else "no variant faster")
+        ax.annotate(note, (x, low), xytext=(0, -12), textcoords="offset points", ha="center", va="top", fontsize=7)
+    ax.plot(range(len(base)), base, "-s", color="#1f77b4", ms=7, label="the run's baseline")
+    for x, b in enumerate(base):
+        ax.text(x, b, f" {b:.3f}", va="bottom", ha="left", fontsize=8, color="#1f77b4")
+    ax.plot([], [], "o", color="#2ca02c", label="a variant, faster")
+    ax.plot([], [], "o", color="#d62728", label="a variant, slower")
+    ax.plot([], [], "o", color="#777777", mfc="white", label="tokens part at a near-tie")
+    ax.set_xticks(range(len(runs)), [f"run {i + 1}\n{c}" for i, c in enumerate(runs)], fontsize=8)
+    lo = min(min(r["ms"] for r in rows) for rows in runs.values())
+    hi = max(max(r["ms"] for r in rows) for rows in runs.values())
+    ax.set_ylim(lo - 0.16 * (hi - lo) - 0.02, hi + 0.05 * (hi - lo))
+    ax.set_xlim(-0.6, len(runs) - 0.4)
+    ax.set_ylabel("ms a token (ITL, median)")
+    ax.grid(axis="x", visible=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    if title:
+        ax.set_title(title)
+    return ax
