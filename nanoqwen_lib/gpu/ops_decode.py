@@ -75,6 +75,18 @@ def embed(token_dev, table, out) -> None:
                                (token_dev, table, out, np.int32(h), np.int32(v)))
 
 
+def argmax_grid(v: int) -> int:
+    """CTAs of nq_argmax over v logits: ARGMAX_CTAS_PER_SM a SM this machine plans for, at most
+    one per 4 x threads logits."""
+    return max(1, min(ARGMAX_CTAS_PER_SM * num_sms(), -(-v // (4 * DECODE_TUNING["NQ_DECODE_THREADS"]))))
+
+
+def lm_head_grid(v: int, tuning: dict) -> int:
+    """CTAs of nq_lm_head over v rows: LMHEAD_CTAS_PER_SM a SM this machine plans for, at most
+    one per CTA's rows."""
+    return min(LMHEAD_CTAS_PER_SM * num_sms(), -(-v // (tuning["NQ_LMHEAD_WARPS"] * tuning["NQ_LMHEAD_ROWS_PER_WARP"])))
+
+
 def argmax(logits, token_out, *, ctas=None) -> None:
     """token_out[0] = argmax(logits) (fp32 [V]), ties -> lowest index."""
     v = getattr(logits, "size", 0)
@@ -82,7 +94,7 @@ def argmax(logits, token_out, *, ctas=None) -> None:
     _check("argmax", "token_out", token_out, np.int32, (1,))
     ws = workspace()
     threads = DECODE_TUNING["NQ_DECODE_THREADS"]
-    grid = ctas or max(1, min(ARGMAX_CTAS_PER_SM * num_sms(), -(-v // (4 * threads))))
+    grid = ctas or argmax_grid(v)
     _decode_kernel("nq_argmax")((grid,), (threads,),
                                 (logits, np.int32(v), ws.part_val, ws.part_idx, ws.argmax_counter, token_out))
 
@@ -101,8 +113,7 @@ def lm_head(x, weight, logits, token_out=None, *, ctas=None, tuning=None) -> Non
     if 4 * h > 48 * 1024:
         raise LimitError("ops_decode.lm_head", "hidden size", "<= 12288 (fp32 x in 48 KiB)", h)
     t = tuning or LMHEAD_TUNING
-    rows_per_cta = t["NQ_LMHEAD_WARPS"] * t["NQ_LMHEAD_ROWS_PER_WARP"]
-    grid = ctas or min(LMHEAD_CTAS_PER_SM * num_sms(), -(-v // rows_per_cta))
+    grid = ctas or lm_head_grid(v, t)
     ws = workspace()
     if grid > ws.part_val.size:
         raise LimitError("ops_decode.lm_head", "ctas", f"<= {ws.part_val.size}", grid)
