@@ -37,12 +37,27 @@ def _nbval_cell_tags(item) -> list[str] | None:
     return list(item.cell.metadata.get("tags", []))
 
 
-def pytest_collection_modifyitems(config, items):
-    from nanoqwen_lib.gpu.cuda_build import have_gpu
+def pytest_report_header(config):
+    """The machine the suite ran on, first: what was compared depends on it."""
+    from nanoqwen_lib.gpu.hardware import gpu_status, hardware
+    s = gpu_status()
+    if s.usable:
+        hw = hardware()
+        return f"nanoqwen: GPU {s.name}, planning for {hw.sms} SMs ({hw.source}): GPU tests run, every chapter cell compared"
+    line = f"nanoqwen: no usable GPU ({s.kind}: {s.reason}): GPU tests skip, cells tagged gpu run uncompared"
+    return ["!" * 20 + " " + line] if s.kind in ("driver", "arch") else line
 
-    if have_gpu():
+
+def pytest_collection_modifyitems(config, items):
+    from nanoqwen_lib.gpu.hardware import gpu_status
+
+    status = gpu_status()
+    if status.usable:
         return  # everything runs and every output is compared
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (cuda_build.have_gpu() is False)")
+    # A GPU that cannot run the kernels (another architecture, a driver this CuPy cannot use)
+    # is said in the reason of every skip, so a suite that tested nothing does not look green.
+    why = "needs a Hopper GPU (sm_90)" if status.kind == "none" else f"GPU unusable: {status.reason}"
+    skip_gpu = pytest.mark.skip(reason=why)
     for item in items:
         tags = _nbval_cell_tags(item)
         if tags is not None:

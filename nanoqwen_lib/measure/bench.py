@@ -37,8 +37,10 @@ def gpu_conditions() -> dict:
     """GPU name and the clocks seen now (nvidia-smi, if present): clocks are not locked."""
     import cupy as cp
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    from nanoqwen_lib.gpu.hardware import hardware
+    hw = hardware()
     out = {"gpu": props["name"].decode(), "sms": props["multiProcessorCount"],
-           "clocks_locked": load().benchmark.lock_clocks}
+           "planned_sms": hw.sms, "hardware": hw.source, "clocks_locked": load().benchmark.lock_clocks}
     try:
         q = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw",
                             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
