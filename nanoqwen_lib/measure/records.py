@@ -67,6 +67,7 @@ MEASURES = {   # book/data/<name> -> what it measures
                                    "nanoqwen_lib/measure/timing.py", "tools/bench_gemv.py"],
     "llama-cpp.json": ["tools/llama_cpp_bench.py"],   # the peer's own code is llama.cpp's, pinned in the record
 }
+BANNER_PATHS = 6    # changed paths a banner names (Record.changed has them all)
 ABSENT = "absent"   # a measured path that did not exist at the record's commit (migrated records only)
 
 
@@ -214,7 +215,10 @@ class Record:
         head = f"record {self.path}: "
         if self.fresh:
             return head + f"measured at {self.commit[:7]}; the code it measures is unchanged since"
-        return head + f"STALE: measured at {self.commit[:7]}; changed since: {', '.join(self.changed)}"
+        shown = ", ".join(self.changed[:BANNER_PATHS])
+        more = len(self.changed) - BANNER_PATHS
+        return head + f"STALE: measured at {self.commit[:7]}; changed since: {shown}" + (
+            f" and {more} more of the {len(self.measures)} paths it measures" if more > 0 else "")
 
 
 def load(path, *, root: Path = REPO) -> Record:
