@@ -41,24 +41,24 @@ _GRAPH_STEP = ["kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/decode_
                "kernels/engine_step.cu", "nanoqwen_lib/gpu/engine.py", "nanoqwen_lib/gpu/layer.py",
                "nanoqwen_lib/gpu/ops_decode.py", "nanoqwen_lib/gpu/ops_gemv.py",
                "nanoqwen_lib/gpu/ops_attention.py", "nanoqwen_lib/gpu/projection.py"]
-_PERSISTENT = ["kernels/decode_persistent.cu", "kernels/stream3.cuh", "nanoqwen_lib/gpu/persistent.py"]
+PERSISTENT = ["kernels/decode_persistent.cu", "kernels/stream3.cuh", "nanoqwen_lib/gpu/persistent.py"]
 _PREFILL_INT4 = ["kernels/prefill_wgmma.cu", "kernels/wgmma_ops.cuh", "kernels/prefill_gemm.cu",
                  "kernels/prefill_attention.cu", "nanoqwen_lib/gpu/ops_prefill.py", "nanoqwen_lib/gpu/tensor_map.py"]
 _FP8 = ["kernels/fp8.cu", "kernels/fp8.cuh", "nanoqwen_lib/gpu/ops_fp8.py"]
 _BENCH = ["nanoqwen_lib/measure/bench.py", "nanoqwen_lib/measure/breakdown.py", "nanoqwen_lib/measure/timing.py"]
-_PEERS = ["nanoqwen_lib/measure/peers.py", "nanoqwen_lib/measure/peers_torch.py",
+PEERS = ["nanoqwen_lib/measure/peers.py", "nanoqwen_lib/measure/peers_torch.py",
           "nanoqwen_lib/measure/peers_hf.py", "nanoqwen_lib/measure/peer_check.py"]
 
 # `nanoqwen bench --json`, by what it ran
 BENCH_INT4 = _K_COMMON + _PLAN + _GRAPH_STEP + _PREFILL_INT4 + _BENCH            # kernel-per-op graph decode
-BENCH_PERSISTENT = BENCH_INT4 + _PERSISTENT + ["nanoqwen_lib/measure/timeline.py"]
+BENCH_PERSISTENT = BENCH_INT4 + PERSISTENT + ["nanoqwen_lib/measure/timeline.py"]
 BENCH_FP8 = _K_COMMON + _PLAN + _GRAPH_STEP + _FP8 + ["kernels/prefill_attention.cu", "nanoqwen_lib/gpu/ops_prefill.py"] + _BENCH
 MEASURES = {   # book/data/<name> -> what it measures
     "persistent.json": BENCH_PERSISTENT,
-    "persistent-variants.json": _K_COMMON + _PLAN + _PERSISTENT + ["nanoqwen_lib/measure/timeline.py",
+    "persistent-variants.json": _K_COMMON + _PLAN + PERSISTENT + ["nanoqwen_lib/measure/timeline.py",
                                                                    "tools/bench_persistent.py"],
-    "bench-int4.json": BENCH_INT4 + _PEERS,
-    "scoreboard.json": BENCH_INT4 + _PEERS,
+    "bench-int4.json": BENCH_INT4 + PEERS,
+    "scoreboard.json": BENCH_INT4 + PEERS,
     "bench-fp8.json": BENCH_FP8,
     "prefill-fp8.json": _K_COMMON + _FP8 + ["kernels/lab/wgmma_fp8.cu", "nanoqwen_lib/gpu/lab/fp8.py",
                                             "tools/bench_prefill.py"],
@@ -69,6 +69,18 @@ MEASURES = {   # book/data/<name> -> what it measures
 }
 BANNER_PATHS = 6    # changed paths a banner names (Record.changed has them all)
 ABSENT = "absent"   # a measured path that did not exist at the record's commit (migrated records only)
+
+
+def measures_for_bench(decode: str = "graph", encoding: str = "int4", peers: bool = False) -> list[str]:
+    """What a `nanoqwen bench --json` record measures: the decode step it ran ("graph" or
+    "persistent"), the weights' encoding ("int4", "fp8"), and the peers when it ran them."""
+    if encoding not in ("int4", "fp8") or decode not in ("graph", "persistent"):
+        raise NanoqwenError("<arguments>", "bench measures", "decode graph|persistent, encoding int4|fp8",
+                            f"decode {decode!r}, encoding {encoding!r}")
+    out = BENCH_FP8 if encoding == "fp8" else BENCH_INT4
+    if decode == "persistent":
+        out = out + [p for p in PERSISTENT + ["nanoqwen_lib/measure/timeline.py"] if p not in out]
+    return list(out) + (PEERS if peers else [])
 
 
 def measures_for(path) -> list[str]:
