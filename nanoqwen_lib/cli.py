@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from nanoqwen_lib.errors import LimitError, NanoqwenError
@@ -22,6 +24,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 
+def version() -> str:
+    """The installed package's version (its metadata, built from pyproject.toml; the package's
+    __version__ is the same one, tests/test_cli.py checks)."""
+    from importlib import metadata
+    try:
+        return metadata.version("nanoqwen")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e . in the checkout)"
+
+
 def make_backend(name: str, nq_file):
     if name == "reference":
         from nanoqwen_lib.model.generate import ReferenceBackend
@@ -33,12 +45,39 @@ def make_backend(name: str, nq_file):
     raise LimitError("<arguments>", "--backend", "reference or gpu", repr(name))
 
 
+def require_gpu(field: str, hint: str | None = None) -> None:
+    """Refuse GPU work, in one line and before any kernel is built, on a machine whose GPU
+    cannot run the kernels: none at all (names what is needed), or one that is not Hopper or
+    whose driver CuPy cannot use (gpu.hardware's reason: which GPU, what is needed)."""
+    from nanoqwen_lib.gpu import hardware
+    status = hardware.gpu_status()
+    if status.kind == "none":
+        raise LimitError("<gpu>", field, status.needs, status.reason, hint)
+    if not status.usable:
+        raise hardware.UnsupportedGpu(field, status)
+
+
 def require_gpu_backend() -> None:
-    """Refuse --backend gpu on a machine without a usable CUDA GPU (before any work)."""
-    from nanoqwen_lib.gpu.cuda_build import have_gpu
-    if not have_gpu():
-        raise LimitError("<arguments>", "--backend", "a CUDA GPU for --backend gpu",
-                         "none (CuPy sees no usable device)", "use --backend reference")
+    """Refuse --backend gpu on a machine whose GPU cannot run the kernels (before any work)."""
+    require_gpu("--backend gpu", "use --backend reference")
+
+
+def resolve_backend(requested: str | None) -> str:
+    """The backend to run. --backend as given (gpu refused in one line where the GPU cannot
+    run the kernels); by default the GPU when it can, else the reference, saying so on one
+    stderr line when a GPU is there but unusable (not Hopper, or a driver CuPy cannot use)."""
+    if requested == "reference":
+        return requested
+    if requested == "gpu":
+        require_gpu_backend()
+        return requested
+    from nanoqwen_lib.gpu import hardware
+    status = hardware.gpu_status()
+    if status.usable:
+        return "gpu"
+    if status.kind in ("arch", "driver"):
+        print(f"nanoqwen: {status.reason}; using the reference backend", file=sys.stderr, flush=True)
+    return "reference"
 
 
 def _house_format(message: str) -> str:
@@ -57,10 +96,15 @@ def _house_format(message: str) -> str:
 
 
 def _ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise LimitError("<arguments>", "--prompt-ids", "comma-separated integers", repr(text)) from None
+    """--prompt-ids: token ids (non-negative integers) separated by commas, spaces allowed
+    around them; an empty item ("1,,2", a trailing comma) is refused, not skipped."""
+    items = text.split(",")
+    for k, item in enumerate(items):
+        if not re.fullmatch(r"\s*[0-9]+\s*", item):
+            what = "an empty item" if not item.strip() else repr(item.strip())
+            raise argparse.ArgumentTypeError(f"expected token ids (non-negative integers) separated by commas, "
+                                             f"found {what} at position {k + 1} of {text!r}")
+    return [int(t) for t in items]
 
 
 def _positive(text: str) -> int:
@@ -74,17 +118,65 @@ def _positive(text: str) -> int:
 
 
 def _nonneg(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive(text)
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {v}")
+    return v
+
+
+def _check_output_dir(path: Path, flag: str) -> None:
+    """Refuse an output directory that cannot be written, or that holds something already
+    (a checkpoint is never written over, nor mixed with other files), before any work."""
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise LimitError(path, flag, "a new or empty directory", "an existing file")
+        entries = sorted(os.listdir(path))
+        if entries:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise LimitError(path, flag, "a new or empty directory",
+                             f"a directory with {len(entries)} {'entry' if len(entries) == 1 else 'entries'} "
+                             f"({shown})")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LimitError(path, flag, "a path under a directory", f"{parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LimitError(path, flag, "a writable location", f"{parent} is not writable")
 
 
 def cmd_synth(a) -> int:
+    """Write into a temporary directory beside --out, renamed to --out when complete: a
+    refusal or a failure part-way (an error, Ctrl-C) leaves nothing behind, not even the
+    parent directories it created."""
     from nanoqwen_lib.config import load
-    from nanoqwen_lib.synthetic.checkpoint import synthesize
+    from nanoqwen_lib.synthetic.checkpoint import check_seed, synthesize
     dims = load().model(a.dims)
-    if a.out.exists() and not a.out.is_dir():
-        raise LimitError(a.out, "--out", "a directory (new, or existing)", "an existing file")
-    out = synthesize(dims, a.seed, a.out, progress=not a.quiet)
-    print(f"wrote synthetic {a.dims} checkpoint (seed {a.seed}) to {out}")
+    check_seed(a.seed, "--seed")
+    out = a.out.absolute()
+    _check_output_dir(out, "--out")
+    top = out.parent                      # the highest directory this command creates
+    while not top.parent.exists():
+        top = top.parent
+    created, tmp = (None if top.exists() else top), None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        synthesize(dims, a.seed, tmp, progress=not a.quiet, label=out.name)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)         # a directory's usual mode, not mkdtemp's 0700
+        os.replace(tmp, out)              # onto a missing or empty directory
+        created = None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+    print(f"wrote synthetic {a.dims} checkpoint (seed {a.seed}) to {a.out}")
     return 0
 
 
@@ -110,6 +202,23 @@ def cmd_pack(a) -> int:
     out = pack_checkpoint(a.checkpoint, a.output, progress=not a.quiet, weights=a.weights, layout=a.layout)
     print(f"wrote {out} ({out.stat().st_size / 1e9:.3f} GB)")
     return 0
+
+
+LADDER = ("unit", "layer", "graph")      # measure.validate.run_ladder's stages, in order
+
+
+def _stages(text: str) -> list[str]:
+    """--stages: a comma-separated subset of the ladder, in ladder order."""
+    stages = [x.strip() for x in text.split(",")]
+    unknown = [x for x in stages if x not in LADDER]
+    if unknown:
+        found = "an empty stage" if not unknown[0] else repr(unknown[0])
+        raise argparse.ArgumentTypeError(f"expected stages from {', '.join(LADDER)} (comma-separated, in that "
+                                         f"order), found {found} in {text!r}")
+    if stages != sorted(stages, key=LADDER.index) or len(set(stages)) != len(stages):
+        raise argparse.ArgumentTypeError(f"expected each stage once, in that order ({','.join(LADDER)}), "
+                                         f"found {text!r}")
+    return stages
 
 
 def cmd_inspect(a) -> int:
@@ -155,13 +264,12 @@ def cmd_generate(a) -> int:
     f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
     tok = _load_tokenizer(f)
     if a.prompt_ids is not None:
-        prompt = _ids(a.prompt_ids)
+        prompt = a.prompt_ids       # checked against the model's vocab below
     else:
         text = chat_prompt(f, tok, a.prompt) if a.chat else a.prompt
         prompt = tok.encode(text)
     check_request(f.dims, prompt, a.max_new_tokens)  # before any backend (GPU) work
-    backend_name = a.backend or _default_backend()
-    backend = make_backend(backend_name, f)
+    backend = make_backend(resolve_backend(a.backend), f)
     ids = generate_ids(backend, prompt, a.max_new_tokens, eos_ids=() if a.ignore_eos else eos_ids(f, tok))
     if a.ids:
         print(" ".join(str(t) for t in ids))
@@ -169,11 +277,6 @@ def cmd_generate(a) -> int:
         stream_text(tok, ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         print()
     return 0
-
-
-def _default_backend() -> str:
-    from nanoqwen_lib.gpu.cuda_build import have_gpu
-    return "gpu" if have_gpu() else "reference"
 
 
 DEMO_PROMPT = "def quicksort(xs):"
@@ -187,11 +290,9 @@ def cmd_demo(a) -> int:
     from nanoqwen_lib.format.tokenizer import QwenTokenizer
     from nanoqwen_lib.model.generate import check_request
     from nanoqwen_lib.synthetic.packed import packed_synthetic
-    backend = a.backend or _default_backend()
     # Every refusal comes before the synthesis and packing (seconds of CPU, a file in the cache).
     check_request(load().model("tiny"), QwenTokenizer.default().encode(DEMO_PROMPT), a.max_new_tokens)
-    if backend == "gpu":
-        require_gpu_backend()
+    backend = resolve_backend(a.backend)
     out = packed_synthetic("tiny", seed=0, progress=True)
     print(f"file       {out} ({out.stat().st_size / 1e6:.1f} MB)\nbackend    {backend}\n"
           f"note       {DEMO_NOTE}")
@@ -212,11 +313,9 @@ def cmd_demo(a) -> int:
 
 def cmd_bench(a) -> int:
     from nanoqwen_lib.measure.bench import benchmark_e2e, format_report, write_json
-    from nanoqwen_lib.gpu.cuda_build import have_gpu
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
-    if not have_gpu():
-        raise LimitError(a.file, "GPU", "a CUDA GPU for benchmark_e2e", "none (cupy sees no device)")
+    require_gpu("GPU", "bench times the GPU engine")
     r = benchmark_e2e(f, a.prompt_tokens, a.gen_tokens, a.warmup,
                       progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True),
                       prefill=a.prefill, breakdown=a.breakdown, prefill_gemm=a.prefill_gemm,
@@ -234,17 +333,11 @@ def cmd_bench(a) -> int:
 
 def cmd_validate(a) -> int:
     import json
-    from nanoqwen_lib.gpu.cuda_build import have_gpu
     from nanoqwen_lib.measure.validate import run_ladder
     from nanoqwen_lib.format.weightfile import NanoqwenFile
-    ladder = ("unit", "layer", "graph")
-    stages = [x.strip() for x in a.stages.split(",") if x.strip()]
-    if not stages or any(x not in ladder for x in stages) or stages != sorted(stages, key=ladder.index):
-        raise LimitError("<arguments>", "--stages", "a subset of unit,layer,graph in that order", repr(a.stages))
     f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
-    if not have_gpu():
-        raise LimitError(a.file, "GPU", "a CUDA GPU (the ladder checks the GPU kernels)", "none")
-    r = run_ladder(f, a.prompts, a.gen_tokens, stages=stages, reference_batch=a.reference_batch,
+    require_gpu("GPU", "the ladder checks the GPU kernels")
+    r = run_ladder(f, a.prompts, a.gen_tokens, stages=a.stages, reference_batch=a.reference_batch,
                    progress=lambda m: print(f"[validate] {m}", file=sys.stderr, flush=True))
     if a.json:
         from nanoqwen_lib.measure.bench import write_json
@@ -257,21 +350,33 @@ def cmd_validate(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nanoqwen", description="An INT4 Qwen2.5 inference runtime for Hopper, built in a book.")
+    p.add_argument("--version", action="version", version=f"nanoqwen {version()}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
-    s = sub.add_parser("synth", help="write a synthetic checkpoint in the exact Hugging Face layout")
+    def verb(name, summary, description=None):
+        """A verb: `summary` in `nanoqwen --help`, and (with `description`) opening `nanoqwen VERB --help`."""
+        return sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}."
+                              + (f" {description}" if description else ""))
+
+    s = verb("synth", "write a synthetic checkpoint in the exact Hugging Face layout",
+             "Random bf16 weights from a seed (the same seed gives the same bytes), sharded safetensors, "
+             "config.json, generation_config.json and the Qwen2 tokenizer files.")
     s.add_argument("--dims", required=True, choices=["tiny", "tiny-hd64", "7b"], help="model dims from nanoqwen.yaml")
-    s.add_argument("--seed", type=int, default=0, help="random seed (same seed, same weights)")
-    s.add_argument("--out", required=True, type=Path, help="output directory")
+    s.add_argument("--seed", type=_nonneg, default=0, help="random seed, a non-negative integer (same seed, same weights)")
+    s.add_argument("--out", required=True, type=Path,
+                   help="output directory: a new one (missing parents are created) or an empty one")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_synth)
 
-    s = sub.add_parser("pack", help="quantize a Hugging Face checkpoint into a .nanoqwen file")
+    s = verb("pack", "quantize a Hugging Face checkpoint into a .nanoqwen file",
+             "Reads config.json, the safetensors shards and the tokenizer of a Qwen2 / Qwen2.5 checkpoint, "
+             "validates them, and writes one file atomically.")
     s.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json, *.safetensors)")
     s.add_argument("-o", "--output", required=True, type=Path, help="the .nanoqwen file to write")
     s.add_argument("--weights", choices=["int4", "fp8"], default="int4",
                    help="encoding of the seven projections: int4 (group 128, the default; the GPU engine "
-                        "reads it) or fp8 (E4M3, one FP32 scale per output row; reference backend only so far)")
+                        "reads it) or fp8 (E4M3, one FP32 scale per output row; the GPU engine and the reference both run it)")
     s.add_argument("--layout", choices=["split", "stream"], default="split",
                    help="storage of the projections: split (codes and scales in two tensors, layout 1 for int4, "
                         "the default) or stream (int4 only: layout 3, one lane-fragment stream per projection, "
@@ -279,27 +384,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_pack)
 
-    s = sub.add_parser("inspect", help="validate a .nanoqwen file and print its header and tensors")
+    s = verb("inspect", "validate a .nanoqwen file and print its header and tensors")
     s.add_argument("file", type=Path, help="a .nanoqwen file")
     s.add_argument("--verify", action="store_true", help="also check every payload's CRC32")
     s.add_argument("--header-only", action="store_true", help="print the header, not the tensor table")
     s.set_defaults(fn=cmd_inspect)
 
-    s = sub.add_parser("generate", help="greedy generation from a .nanoqwen file")
+    s = verb("generate", "greedy generation from a .nanoqwen file",
+             "On the GPU engine when this machine has a usable Hopper GPU, else on the NumPy reference.")
     s.add_argument("file", type=Path, help="a .nanoqwen file")
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (tokenized with the file's Qwen tokenizer)")
-    g.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    g.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated (each below the model's vocab)")
     s.add_argument("--chat", action="store_true",
                    help="wrap --prompt in the file's chat template (the checkpoint's own, else Qwen2.5's)")
     s.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    s.add_argument("--backend", choices=["reference", "gpu"], help="default: gpu when one is present")
+    s.add_argument("--backend", choices=["reference", "gpu"],
+                   help="default: gpu when this machine's GPU can run the kernels (Hopper, sm_90), else reference")
     s.add_argument("--ids", action="store_true", help="print generated token ids on one line, not text")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load (faster)")
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("bench", help="benchmark_e2e: TTFT, ITL, tokens/s, MBU (GPU)")
+    s = verb("bench", "time the GPU engine end to end: TTFT, ITL, tokens/s, MBU (GPU)",
+             "Untimed warm-up requests, then the timed one (default: nanoqwen.yaml's benchmark protocol, a "
+             "512-token prompt and 128 generated tokens), with the prefill and decode step chosen below; "
+             "optionally the ITL breakdown and the peers on the same machine.")
     s.add_argument("file", type=Path, help="a .nanoqwen file")
     s.add_argument("--warmup", type=_nonneg, default=None, help="untimed warm-up requests (default: nanoqwen.yaml)")
     s.add_argument("--prompt-tokens", type=_positive, default=None, help="prompt length (default 512)")
@@ -325,9 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
     s.set_defaults(fn=cmd_bench)
 
-    s = sub.add_parser("validate", help="the correctness ladder: unit, layer, graph (GPU); stops at the first failure")
+    s = verb("validate", "the correctness ladder: unit, layer, graph (GPU); stops at the first failure",
+             "unit: each kernel against the reference op (the GPU tests); layer: one decoder block against "
+             "the reference; graph: the engine's greedy tokens against the reference model's "
+             "(nanoqwen.yaml's validation prompts and thresholds).")
     s.add_argument("file", type=Path, help="a .nanoqwen file")
-    s.add_argument("--stages", default="unit,layer,graph", help="comma-separated subset, in ladder order")
+    s.add_argument("--stages", type=_stages, default=list(LADDER),
+                   help=f"the stages to run, comma-separated, in ladder order: a subset of {','.join(LADDER)} "
+                        f"(default: all)")
     s.add_argument("--prompts", type=_positive, default=None, help="graph stage prompts (default: nanoqwen.yaml, 100)")
     s.add_argument("--gen-tokens", type=_positive, default=None, help="graph stage tokens per prompt (default 128)")
     s.add_argument("--no-verify", action="store_true", help="skip the payload CRC32 check at load")
@@ -338,9 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "7B; sums in another order than 1, the default the near-tie line was measured with)")
     s.set_defaults(fn=cmd_validate)
 
-    s = sub.add_parser("demo", help="synthesize the tiny model, pack it and generate with it")
+    s = verb("demo", "synthesize the tiny model, pack it and generate with it",
+             "The files are cached ($NANOQWEN_CACHE, else ~/.cache/nanoqwen); the weights are random, so "
+             "the text is meaningless.")
     s.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
-    s.add_argument("--backend", choices=["reference", "gpu"], help="default: gpu when one is present")
+    s.add_argument("--backend", choices=["reference", "gpu"],
+                   help="default: gpu when this machine's GPU can run the kernels (Hopper, sm_90), else reference")
     s.set_defaults(fn=cmd_demo)
     return p
 

@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from nanoqwen_lib.config import ModelDims, load
+from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.format.layout import hf_tensors
 from nanoqwen_lib.format.safetensors_io import SafetensorsWriter, bf16_bits
 
@@ -69,6 +70,13 @@ BF16 = "BF16"
 def synthesize_dims(name: str) -> ModelDims:
     """The dims of a named model in nanoqwen.yaml (`7b`, `tiny`, `tiny-hd64`)."""
     return load().model(name)
+
+
+def check_seed(seed, field: str = "seed") -> None:
+    """A seed is a non-negative integer (what NumPy's SeedSequence takes); refused in one line
+    before anything is written."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise LimitError("<arguments>", field, "a non-negative integer", repr(seed))
 
 
 def tokenizer_vocab() -> int:
@@ -175,6 +183,7 @@ def synthesize(dims: ModelDims, seed: int, out_dir, shard_bytes: int | None = No
     `label` names the progress bar (default: out_dir's name; a caller writing into a
     temporary directory passes the final name)."""
     from tqdm import tqdm  # the console bar: no ipywidgets needed in notebooks
+    check_seed(seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = plan_shards(dims, shard_bytes)
