@@ -1,7 +1,6 @@
 """The README's two commands are what CI and users run, and the test extra brings what they need."""
 import re
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -81,6 +80,7 @@ def _markers_used() -> dict[str, list[str]]:
 
 
 def test_every_marker_has_its_plugin_or_registration():
+    tomllib = pytest.importorskip("tomllib")          # Python 3.11+
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     registered = {m.split(":")[0].strip() for m in pyproject["tool"]["pytest"]["ini_options"]["markers"]}
     test_extra = [re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0].lower()
@@ -101,8 +101,9 @@ def test_every_marker_has_its_plugin_or_registration():
 def test_test_stack_is_pinned():
     """Each test-stack requirement has an upper bound or an exact version: a fresh install gets
     a version the suite is known to pass with."""
+    tomllib = pytest.importorskip("tomllib")
     test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
-    for name in ("pytest", "nbval", "pytest-timeout", "pytest-xdist", "hypothesis", "torch"):
+    for name in ("pytest", "nbval", "pytest-timeout", "pytest-xdist", "hypothesis", "torch", "transformers"):
         req = next((r for r in test_extra if re.match(rf"{re.escape(name)}\s*[<>=!~]", r)), None)
         assert req is not None, f"pyproject.toml: the test extra: expected {name}, found {test_extra}"
         assert "==" in req or "<" in req, f"pyproject.toml: {name}: expected a pin or a range, found {req!r}"
