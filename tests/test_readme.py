@@ -39,8 +39,10 @@ def test_ci_runs_them_in_a_new_virtual_environment():
     # A failure early in the first line must fail CI (set -e does not see it).
     after_first = lines[first + 1:lines.index(_command_lines(ROOT / ".ci/run")[1])]
     assert any('exit "$rc"' in ln for ln in after_first), after_first
-    # The script ends on the test command, so its status and pytest's summary are the last.
-    assert lines[-1] == _command_lines(ROOT / "README.md")[1]
+    # After the test command: its status kept, the repository checked unchanged, that status out.
+    rest = lines[lines.index(_command_lines(ROOT / "README.md")[1]) + 1:]
+    assert rest[0] == "rc=$?" and rest[-1] == 'exit "$rc"', rest
+    assert any("git status --porcelain" in ln for ln in rest), rest
 
 
 def test_ci_venv_and_readme_venv_are_git_ignored():
