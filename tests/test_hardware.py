@@ -9,7 +9,7 @@ from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.gpu import cuda_build, hardware
 
 H200 = {"name": "NVIDIA H200", "cc": (9, 0), "sms": 132, "smem_optin": 232448, "smem_per_sm": 233472,
-        "regs_per_sm": 65536, "clock_khz": 1980000, "mem_clock_khz": 3201000, "bus_bits": 6144,
+        "regs_per_sm": 65536, "clock_khz": 1980000, "mem_clock_khz": 3201000, "bus_bits": 6016,
         "driver": 13000, "runtime": 13000}
 OTHERS = {
     "A100": dict(H200, name="NVIDIA A100-SXM4-80GB", cc=(8, 0), sms=108),
@@ -49,8 +49,8 @@ def test_hopper_is_usable_and_described(fake):
     assert hardware.gpu_status().usable and cuda_build.have_gpu()
     hw = hardware.hardware()
     assert (hw.sms, hw.smem_optin, hw.source) == (132, 232448, "device")
-    # the budget: the DRAM peak (3.201 GHz x 2 x 6144 bits) times the H200's measured fraction
-    assert hw.read_tbps == pytest.approx(3.201e9 * 2 * 6144 / 8 / 1e12 * load().hardware["read_efficiency"], abs=1e-3)
+    # the budget: the DRAM peak (3.201 GHz x 2 x 6016 bits, as the H200 reports them) times the H200's measured fraction
+    assert hw.read_tbps == pytest.approx(3.201e9 * 2 * 6016 / 8 / 1e12 * load().hardware["read_efficiency"], abs=1e-3)
     assert hw.read_tbps == pytest.approx(load().hardware["read_tbps"], rel=0.01)
 
 

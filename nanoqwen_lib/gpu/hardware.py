@@ -76,28 +76,30 @@ def _probe() -> dict:
         import cupy
     except ImportError as e:
         return {"error": f"CuPy is not installed ({e.name})", "status": None, "import": True}
+    rt = cupy.cuda.runtime
     try:
-        rt = cupy.cuda.runtime
         if rt.getDeviceCount() == 0:
             return {"error": "no CUDA device", "status": 100}
-        a = cupy.cuda.Device(0).attributes          # cudaDeviceGetAttribute: present in CUDA 12 and 13
-        return {"name": rt.getDeviceProperties(0)["name"].decode(),
-                "cc": (int(a["ComputeCapabilityMajor"]), int(a["ComputeCapabilityMinor"])),
-                "sms": int(a["MultiProcessorCount"]),
-                "smem_optin": int(a["MaxSharedMemoryPerBlockOptin"]),
-                "smem_per_sm": int(a["MaxSharedMemoryPerMultiprocessor"]),
-                "regs_per_sm": int(a["MaxRegistersPerMultiprocessor"]),
-                "clock_khz": int(a.get("ClockRate", 0)),
-                "mem_clock_khz": int(a.get("MemoryClockRate", 0)),
-                "bus_bits": int(a.get("GlobalMemoryBusWidth", 0)),
-                "driver": rt.driverGetVersion(), "runtime": rt.runtimeGetVersion()}
-    except Exception as e:                       # CUDARuntimeError and friends
+        driver = rt.driverGetVersion()
+    except Exception as e:                       # CUDARuntimeError: no driver, or one this CuPy cannot use
         try:
-            built = f"cupy {cupy.__version__}, built for CUDA {cupy.cuda.runtime.runtimeGetVersion() // 1000}"
+            built = f"cupy {cupy.__version__}, built for CUDA {rt.runtimeGetVersion() // 1000}"
         except Exception:
             built = f"cupy {cupy.__version__}"
         return {"error": f"{type(e).__name__}: {e}", "status": getattr(e, "status", None),
                 "driver_present": _driver_present(), "cupy": built}
+    dev, p = cupy.cuda.Device(0), rt.getDeviceProperties(0)
+    a = dev.attributes                           # cudaDeviceGetAttribute: present in CUDA 12 and 13
+    cc = dev.compute_capability                  # "90"
+    return {"name": p["name"].decode(), "cc": (int(cc[:-1]), int(cc[-1])),
+            "sms": int(a["MultiProcessorCount"]),
+            "smem_optin": int(a["MaxSharedMemoryPerBlockOptin"]),
+            "smem_per_sm": int(a["MaxSharedMemoryPerMultiprocessor"]),
+            "regs_per_sm": int(a["MaxRegistersPerMultiprocessor"]),
+            "clock_khz": int(a.get("ClockRate", p.get("clockRate", 0))),
+            "mem_clock_khz": int(a.get("MemoryClockRate", p.get("memoryClockRate", 0))),
+            "bus_bits": int(a.get("GlobalMemoryBusWidth", p.get("memoryBusWidth", 0))),
+            "driver": driver, "runtime": rt.runtimeGetVersion()}
 
 
 # cudaError codes that mean "a GPU is there, but this CuPy cannot talk to its driver" (35 is

@@ -218,7 +218,7 @@ class PersistentStep:
         if smem > dev.attributes["MaxSharedMemoryPerMultiprocessor"]:
             raise LimitError(f"kernels/{KERNEL}.cu", "shared memory per CTA",
                              f"<= {dev.attributes['MaxSharedMemoryPerMultiprocessor']}", smem)
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(self.kernel.ptr, self.threads, self.smem)
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(self.kernel.kernel.ptr, self.threads, self.smem)
         resident = per_sm * dev.attributes["MultiProcessorCount"]
         if self.grid > resident:
             raise LimitError(f"kernels/{KERNEL}.cu", "grid (CTAs that must be resident at once)",
