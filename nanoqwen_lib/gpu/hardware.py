@@ -140,6 +140,13 @@ def gpu_status() -> GpuStatus:
     return status_of(_probe())
 
 
+def no_gpu_note() -> str:
+    """What a chapter's GPU cell prints on a machine that cannot run it (one line, true after
+    `jupyter execute --inplace` too: the rendered book keeps the H200's output)."""
+    s = gpu_status()
+    return f"no usable Hopper GPU here ({s.reason or 'none'}): this cell ran nothing; the rendered book shows an H200's output"
+
+
 def require_hopper(what: str) -> None:
     """Raise UnsupportedGpu (one line: which GPU, what is needed) unless gpu_status() is ok.
     Called before any kernel is built."""
