@@ -186,21 +186,21 @@ def grid_int4(rng, t, n, k, *, bias=False, residual=False, swiglu=False, imax=No
     gate_up fp16 [T, 2K] (swiglu), bias fp16 [N] | None, residual fp16 [T, N] | None,
     exact float64 [T, N], want fp16 [T, N] = RN16(exact), units int64 sum |terms| [T, N])."""
     imax = imax or grid_imax(k)
-    codes = rng.integers(-8, 8, size=(n, k)).astype(np.int8)
-    m = rng.integers(8, 16, size=(n, k // quant.GROUP_SIZE))
+    codes = rng.integers(-8, 8, size=(n, k), dtype=np.int8)
+    m = rng.integers(8, 16, size=(n, k // quant.GROUP_SIZE)).astype(np.float32)
     scales = (m / 2.0 ** GRID_SCALE_EXP).astype(np.float16)
-    i = rng.integers(-imax, imax + 1, size=(t, k))
+    i = rng.integers(-imax, imax + 1, size=(t, k)).astype(np.float32)
     out = {"words": quant.pack_int4_value_shuffle(codes), "scales": scales, "bias": None, "residual": None}
     if swiglu:
         live = rng.random((t, k)) < 0.8
         gate = np.where(live, SWIGLU_GATE, 0.0)
-        i = np.where(live, i, 0)
+        i = np.where(live, i, 0).astype(np.float32)
         out["gate_up"] = np.concatenate([gate, i / 2.0 ** (GRID_X_EXP + 4)], axis=1).astype(np.float16)
     out["x"] = (i / 2.0 ** GRID_X_EXP).astype(np.float16)
-    wq = codes.astype(np.int64).reshape(n, k // quant.GROUP_SIZE, quant.GROUP_SIZE) * m[:, :, None]
-    wq = wq.reshape(n, k)                                               # code * m: the weight in 2^-10 units
-    units = i.astype(np.int64) @ wq.T                                   # [T, N] in 2^-13 units, exact
-    absunits = np.abs(i).astype(np.int64) @ np.abs(wq).T
+    wq = (codes.reshape(n, k // quant.GROUP_SIZE, quant.GROUP_SIZE) * m[:, :, None]).reshape(n, k)   # code * m, float32
+    # float32 BLAS on integers: every partial sum stays below 2^22 < 2^24, so exact in any order
+    units = (i @ wq.T).astype(np.int64)                                 # [T, N] in 2^-13 units
+    absunits = (np.abs(i) @ np.abs(wq).T).astype(np.int64)
     if bias:
         out["bias"] = grid_fp16(rng, n)
         units = units + (out["bias"].astype(np.float64) * 2 ** GRID_EXP).astype(np.int64)[None, :]
@@ -221,13 +221,51 @@ def grid_misses(got, want) -> np.ndarray:
     return np.flatnonzero(~(g == w))
 
 
-def describe_grid_misses(name, got, case, idx, limit=8) -> str:
-    g, w, e = (np.asarray(a, np.float64).ravel() for a in (got, case["want"], case["exact"]))
-    shape = np.shape(case["want"])
+def describe_grid_misses(name, got, want, exact, idx, limit=8) -> str:
+    g, w, e = (np.asarray(a, np.float64).ravel() for a in (got, want, exact))
+    shape = np.shape(want)
     rows = "\n".join(f"  [{np.unravel_index(i, shape)}] got {g[i]!r} want {w[i]!r} (exact {e[i]!r}, "
                      f"{(g[i] - e[i]) / float(ulp16(e[i])):+.2f} ulp)" for i in idx[:limit])
     return (f"{name}: {idx.size} of {g.size} outputs differ from fp16_rn of the exact result (every FP32 sum "
             f"is exact on this grid, so only the epilogue rounds; tests/emulate.py)\n{rows}")
+
+
+def check_grid(name, got, case, row=None) -> None:
+    """Assert got == case's want bit for bit (as values); row: the case's token row of a GEMV."""
+    want, exact = (case["want"], case["exact"]) if row is None else (case["want"][row], case["exact"][row])
+    bad = grid_misses(got, want)
+    assert bad.size == 0, describe_grid_misses(name, got, want, exact, bad)
+
+
+FP8_GRID_SUM_LIMIT = 2 ** 12   # sum |c x| of an output, in units: exact even in an accumulator of 13 bits
+
+
+def grid_fp8(rng, t, n, k, *, bias=True, residual=True) -> dict:
+    """An FP8 GEMM problem whose every sum is exact even in Hopper's FP8 MMA, which keeps
+    about 13 bits of its running sum (test_gpu_prefill_wgmma.py): activation codes of -2..2,
+    weight codes of -1..1 (sparse enough that sum |c x| < 2^12 on every output), ts = 2^-4
+    and s = 2^-6 (ts s exact), bias and residual fp16 multiples of 2^-13, so the epilogue's
+    FP32 acc * (ts s) + bias + residual is exact too and the only rounding is the fp16 store.
+    -> dict(xq uint8 [T, K], ts fp32 [T], codes uint8 [N, K], scales fp32 [N], bias, residual,
+    exact float64 [T, N], want fp16 [T, N])."""
+    density = min(1.0, FP8_GRID_SUM_LIMIT / 4 / (k * 1.2 * 2 / 3))
+    xi = rng.integers(-2, 3, size=(t, k))
+    wi = rng.integers(-1, 2, size=(n, k)) * (rng.random((n, k)) < density)
+    enc = lambda v: quant.fp8_e4m3_encode(v.astype(np.float32))  # noqa: E731
+    out = {"xq": enc(xi), "codes": enc(wi), "ts": np.full(t, 2.0 ** -4, np.float32),
+           "scales": np.full(n, 2.0 ** -6, np.float32), "bias": None, "residual": None}
+    assert np.array_equal(quant.E4M3_VALUES[out["xq"]], xi) and np.array_equal(quant.E4M3_VALUES[out["codes"]], wi)
+    absdot = np.abs(xi).astype(np.float64) @ np.abs(wi).T.astype(np.float64)
+    assert absdot.max() < FP8_GRID_SUM_LIMIT, f"grid_fp8 T={t} N={n} K={k}: sum |c x| {absdot.max()}"
+    exact = (xi.astype(np.float64) @ wi.T.astype(np.float64)) * 2.0 ** -10
+    if bias:
+        out["bias"] = grid_fp16(rng, n)
+        exact = exact + out["bias"].astype(np.float64)[None, :]
+    if residual:
+        out["residual"] = grid_fp16(rng, (t, n))
+        exact = exact + out["residual"].astype(np.float64)
+    out["exact"], out["want"] = exact, rn16(exact)
+    return out
 
 
 # ---------------------------------------------------------------- the FP8 GEMV, operation by operation
@@ -235,13 +273,14 @@ LANES = 32
 FP8_CHUNK = 16
 
 
-def gemv_fp8(x, codes, scales, bias=None, residual=None, drop_last=False) -> np.ndarray:
+def gemv_fp8(x, codes, scales, bias=None, residual=None, drop_last=False, fp32=False) -> np.ndarray:
     """kernels/fp8.cu nq_gemv_fp8 in float32, in its order: lane l of a row's warp takes the
     16-code chunks l, l + 32, ... and runs acc = fma(c_k, x_k, acc) over their k in order
     (c_k x_k is exact in FP32: 4 x 11 significant bits, so fma = one rounded add); the lanes
     meet in a butterfly (shfl_xor 16, 8, 4, 2, 1: a + b, commutative, the same bits in every
     lane); lane 0 stores fp16(((acc * s) + bias) + residual), FMUL then FADDs (its SASS).
-    drop_last: the fault "the last code of the row is never added". -> float16 [N]."""
+    drop_last: the fault "the last code of the row is never added". -> float16 [N] (fp32:
+    the float32 value before the fp16 store)."""
     c32 = quant.E4M3_VALUES[np.asarray(codes)].astype(np.float32)
     n, k = c32.shape
     p = c32 * np.asarray(x, np.float16).astype(np.float32)[None, :]             # exact products
@@ -264,7 +303,7 @@ def gemv_fp8(x, codes, scales, bias=None, residual=None, drop_last=False) -> np.
         y = y + np.asarray(bias, np.float16).astype(np.float32)
     if residual is not None:
         y = y + np.asarray(residual, np.float16).astype(np.float32)
-    return y.astype(np.float16)
+    return y if fp32 else y.astype(np.float16)
 
 
 def fp8_gemv_roundings(k: int) -> int:

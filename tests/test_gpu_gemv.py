@@ -11,7 +11,18 @@ plus room for the fp32 sum landing on the other side of a rounding midpoint) and
 subnormal spacing. `acc` bounds the FP32 accumulation: a chain of about n adds loses at
 most n * 2^-24 of sum |w_k x_k|; 2^-18 allows 64 such steps (tensor-core groups, then the
 per-warp, per-CTA and split-K sums), 2^-16 the lm_head's ~120 sequential FMAs per lane.
-A single wrong element or index costs about sum|w x| / K, far above both.
+A single wrong element or index costs about sum|w x| / K, far above both; a zeroed output row
+costs |ref| (test_gemv_int4_7b, test_gemv_int4_grid_exact).
+
+Rounding, not only magnitude (issue 31). That bound admits an epilogue that rounds toward zero
+(an error of up to one ulp). Two checks close it (tests/emulate.py, shown on the CPU by
+tests/test_emulate.py):
+  grid    test_gemv_int4_grid_exact: inputs on which every FP32 sum is exact in any order
+          (emulate.grid_int4), so the output must be fp16_rn of the integer result, bit for
+          bit: RZ changes most outputs, a zeroed row or a dropped K slice its own;
+  bias    every random case: the mean signed error in ulps, toward the magnitude and toward
+          +inf, within emulate.bias_limit (0.1 over a few thousand outputs: ~0 for RN even
+          with a truncating tensor core, -0.5 for RZ).
 
 NQ_GEMV_FOLD=1 (gemv_int4.cu, [fold]) lets the tensor core sum (1032 + s) x and (72 + s) x
 and subtracts 1032 sum_lo x + 72 sum_hi x per group afterwards: its fp32 partial sums are
@@ -28,6 +39,8 @@ import numpy as np
 import pytest
 
 from nanoqwen_lib.format import quant
+
+from . import emulate as em
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -113,8 +126,11 @@ def run_gemv(rng, n, k, bias, residual, ksplit=None, tuning=None, launcher="plai
         extra = extra + FOLD_ACC * fold_magnitude(scales, x64)
     ref = dot + (0 if b is None else b.astype(np.float64))
     ref = ref + (0 if res is None else res.astype(np.float64))
-    return check_close(f"{launcher} {impl} N={n} K={k} ksplit={ksplit} ctas={ctas}", out.get(), ref, absdot,
-                       2.0 ** -18, extra)
+    name = f"{launcher} {impl} N={n} K={k} ksplit={ksplit} ctas={ctas} {tuning or ''}"
+    got = out.get()
+    worst = check_close(name, got, ref, absdot, 2.0 ** -18, extra)
+    em.check_rounding_bias(name, got, ref)
+    return worst
 
 
 @pytest.mark.parametrize("shape", list(SHAPES_7B))
@@ -144,6 +160,48 @@ def test_gemv_int4_tuning_variants(rng, tuning, n, k, ksplit):
     run_gemv(rng, n, k, bias=True, residual=True, ksplit=ksplit, tuning=tuning)
 
 
+# ---- exact grid cases: every FP32 sum exact, so the output is fp16_rn of the integer result
+def run_grid(rng, n, k, *, launcher="plain", bias=False, residual=False, ksplit=None, tuning=None):
+    case = em.grid_int4(rng, 1, n, k, bias=bias, residual=residual, swiglu=launcher == "swiglu")
+    out = poisoned(n)
+    b = None if case["bias"] is None else dev(case["bias"])
+    res = None
+    if residual:                                     # in place: the residual is the output buffer
+        out[...] = dev(case["residual"][0])
+        res = out
+    if launcher == "swiglu":
+        ops_gemv.gemv_int4_swiglu(dev(case["gate_up"][0]), dev(case["words"]), dev(case["scales"]), out,
+                                  residual=res, bias=b, ksplit=ksplit, tuning=tuning)
+    else:
+        ops_gemv.gemv_int4(dev(case["x"][0]), dev(case["words"]), dev(case["scales"]), out, bias=b, residual=res,
+                           ksplit=ksplit, tuning=tuning)
+    em.check_grid(f"{launcher} N={n} K={k} ksplit={ksplit} {tuning or 'planned'}", out.get(), case, row=0)
+    return case
+
+
+GRID_CASES = [("qkv", "plain", None, None), ("o_proj", "plain", None, None), ("gate_up", "plain", None, None),
+              ("down", "plain", None, None), ("down", "swiglu", None, None), ("down", "swiglu", 5, {"NQ_GEMV_FOLD": 0}),
+              ("o_proj", "plain", 1, {"NQ_GEMV_FOLD": 1, "NQ_GEMV_WARPS": 8, "NQ_GEMV_UNROLL": 2}),
+              ("qkv", "plain", 3, {"NQ_GEMV_MTILES": 2, "NQ_GEMV_UNROLL": 2})]
+
+
+@pytest.mark.parametrize("shape,launcher,ksplit,tuning", GRID_CASES,
+                         ids=[f"{s}-{l}-{k}-{'+'.join(f'{a[8:]}{b}' for a, b in (t or {}).items()) or 'table'}"
+                              for s, l, k, t in GRID_CASES])
+def test_gemv_int4_grid_exact(rng, shape, launcher, ksplit, tuning):
+    """The 7B shapes (the measured table's tuning and split, and other builds), bias and
+    residual as the engine has them: every output bit for bit fp16_rn(exact)."""
+    n, k = SHAPES_7B[shape]
+    run_grid(rng, n, k, launcher=launcher, bias=shape == "qkv", residual=shape in ("o_proj", "down"),
+             ksplit=ksplit, tuning=tuning)
+
+
+@pytest.mark.parametrize("n,k,ksplit", [(7, 128, None), (130, 1152, 3), (1000, 384, 1)])
+def test_gemv_int4_grid_exact_odd(rng, n, k, ksplit):
+    for launcher in ("plain", "swiglu"):
+        run_grid(rng, n, k, launcher=launcher, bias=True, residual=True, ksplit=ksplit)
+
+
 @pytest.mark.parametrize("ksplit", [None, 1])
 def test_gemv_int4_residual_in_place(rng, ksplit):
     n = k = 3584
@@ -154,6 +212,7 @@ def test_gemv_int4_residual_in_place(rng, ksplit):
     ops_gemv.gemv_int4(dev(x), dev(words), dev(scales), io, residual=io, ksplit=ksplit)
     dot, absdot = ref_matvec(words, scales, x.astype(np.float64))
     check_close("in-place residual", io.get(), dot + res.astype(np.float64), absdot, 2.0 ** -18)
+    em.check_rounding_bias("in-place residual", io.get(), dot + res.astype(np.float64))
 
 
 @pytest.mark.parametrize("n,k,ksplit", [(3584, 18944, None), (130, 384, 1), (7, 1152, 3), (1000, 1152, None)])

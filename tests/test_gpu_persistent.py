@@ -15,6 +15,16 @@ requests moving the prefetches and the rings' first loads, or polling tagged q, 
          a counter ([pd-qkv-ll]), changes no bit
 hang     a launch whose CTAs cannot all be resident ends with the timeout error instead of
          hanging the device (every wait has NQ_PD_TIMEOUT_MS)
+reference (issue 31) the persistent step against the reference model, not only against the
+         graph step: each layer op by op (tests/gpu_cases.check_decode_layer: every output of
+         qkv, rope, attention, gate_up and down in [RN16(v - w), RN16(v + w)], w its FP32
+         window, ~1-3 fp16 ulps where 2e-2 absolute was allowed), on tiny with down split in
+         NQ_PD_DOWN_KS K slices (its plan has none on an H200) and on the 7B's own plan (down in
+         4 slices: tests/test_gpu_engine.py runs check_decode_layer there); and the logits of
+         whole persistent steps (token-by-token prefill, then forced tokens) against the
+         reference's, within LOGIT_SENSITIVITY_FACTOR times the reference's own change under
+         one-ulp input noise (tests/sensitivity.py). A dropped K slice of down is ~30 windows
+         out at the layer and ~100 sensitivities out at the logits (tests/test_emulate.py).
 """
 from __future__ import annotations
 
@@ -24,8 +34,9 @@ import numpy as np
 import pytest
 
 from nanoqwen_lib.gpu.cuda_build import have_gpu
+from nanoqwen_lib.gpu.persistent import PersistentStep
 
-from .gpu_cases import prompt_ids
+from .gpu_cases import LOGIT_SENSITIVITY_FACTOR, check_decode_layer, prompt_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs a CUDA GPU")]
 
@@ -196,6 +207,85 @@ def test_head_blocks_from_shared_memory_give_the_same_bits():
     for h in (1, 2):
         t, l = _decode_bits(eng, dict(down, NQ_PD_HEAD_BLOCKS=h), prompt, grid=grid)
         assert eng.pd.smem > 0 and t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32)), h
+
+
+# ---- against the reference model ---------------------------------------------------------
+SPLIT_DOWN = {"NQ_PD_DOWN_TG": 28, "NQ_PD_DOWN_KS": 2}      # tiny's down in 2 K slices (56 units)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_layer_ops_match_reference_tiny_split_down(layer):
+    """tiny's persistent step with down split over K (so that its slices are folded, as the
+    7B's are): one layer alone, op by op against float64 (gpu_cases.check_decode_layer)."""
+    f, eng = _tiny_engine()
+    eng.pd = PersistentStep(eng, defines=SPLIT_DOWN)
+    assert eng.pd.plan["NQ_PD_DOWN_KS"] == 2
+    rng = np.random.default_rng(40 + layer)
+    eng.prefill(prompt_ids(rng, 37), physical_pages=rng.permutation(eng.pages))
+    res = check_decode_layer(eng, f, layer, int(rng.integers(0, 151643)))
+    print(f"tiny split down, layer {layer}:", res)
+
+
+def _logits_against_reference(nq_file, eng, prompt, forced, refm):
+    """eng prefills `prompt` token by token (every position through its decode step), then is
+    forced through `forced`; each step's logits against the reference's on CuPy, relative
+    error within LOGIT_SENSITIVITY_FACTOR times the reference's own one-ulp sensitivity at
+    the same position; the argmax the same or a near-tie. -> [relative error per step]."""
+    import cupy as cp
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.model.reference import ReferenceModel, argmax_and_gap
+    from .sensitivity import one_ulp_sensitivity
+    gap_max = load().validation.near_tie_logit_gap
+    want, cache = refm.prefill(prompt)
+    wants = [want[-1]]
+    for tok in forced:
+        wants.append(refm.decode(tok, cache))
+    _, sens = one_ulp_sensitivity(ReferenceModel, nq_file.dims, nq_file.model_tensors(), list(prompt) + list(forced),
+                                  (), cp)
+    bound = LOGIT_SENSITIVITY_FACTOR * sens
+    got_tok = [eng.prefill(prompt)]
+    gots = [eng.logits().copy()]
+    for tok in forced:
+        got_tok.append(eng.force(tok))
+        gots.append(eng.logits().copy())
+    rels = []
+    for i, (g, w, t) in enumerate(zip(gots, wants, got_tok)):
+        assert bool(cp.isfinite(g).all()), f"step {i}: logits not finite"
+        rel = float(cp.linalg.norm(g - w) / cp.linalg.norm(w))
+        best, gap = argmax_and_gap(w)
+        assert rel < bound, (f"step {i}: logits relative error {rel:.2e}, bound {bound:.2e} = "
+                             f"{LOGIT_SENSITIVITY_FACTOR} x the reference's one-ulp sensitivity {sens:.2e}")
+        assert t == best or gap < gap_max, f"step {i}: token {t}, reference {best} (top-2 gap {gap:.3f})"
+        rels.append(rel)
+    print(f"logits relative error per step {[f'{r:.1e}' for r in rels]}, bound {bound:.2e} (sensitivity {sens:.2e})")
+    return rels
+
+
+def test_logits_match_reference_tiny_split_down():
+    import cupy as cp
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.model.reference import ReferenceModel
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
+    eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False, prefill="token-by-token")
+    eng.pd = PersistentStep(eng, defines=SPLIT_DOWN)
+    rng = np.random.default_rng(41)
+    _logits_against_reference(f, eng, prompt_ids(rng, 19), prompt_ids(rng, 4), ReferenceModel(f.dims, f.model_tensors(),
+                                                                                                xp=cp))
+
+
+def test_logits_match_reference_7b(file_7b):
+    """The 7B's own plan (down in NQ_PD_DOWN_KS = 4 slices on an H200): 17 prompt positions and
+    4 forced tokens, every one a persistent step."""
+    import cupy as cp
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.model.reference import ReferenceModel
+    eng = GpuBackend(file_7b, max_tokens=256, decode="persistent", graphs=False, prefill="token-by-token")
+    print("7b plan:", eng.pd.plan)
+    rng = np.random.default_rng(42)
+    refm = ReferenceModel(file_7b.dims, file_7b.model_tensors(), xp=cp)
+    _logits_against_reference(file_7b, eng, prompt_ids(rng, 17), prompt_ids(rng, 4), refm)
 
 
 def test_timeline_build_records_every_instruction():

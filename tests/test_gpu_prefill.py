@@ -14,6 +14,13 @@ well above acc(K) for K = 384 and 3584. Against the exact contract (ref = x . (c
 reference.linear's arithmetic) the extra error is at most 2^-11 sum |x_k w_k| (each weight off
 by at most half an fp16 ulp); that bound is checked too.
 
+Rounding, not only magnitude (issue 31): those bounds admit an epilogue that rounds toward
+zero. test_gemm_grid_exact runs inputs on which every FP32 sum is exact in any order, split-K
+and tensor-core alignment included (tests/emulate.py grid_int4), so every output must be
+fp16_rn of the integer result, bit for bit; every random case also checks the mean signed
+error in ulps (emulate.check_rounding_bias: ~0 for round-to-nearest, -0.5 for toward-zero;
+tests/test_emulate.py shows both on a model of a truncating tensor core).
+
 Attention: |out - ref| <= 2^-10 |ref| + 2^-10 * sum_j p_j |v_j| + 2^-25 * ctx * max|v| + 2^-24:
 one output ulp; P enters the tensor cores as fp16 (relative 2^-11, doubled for exp2 and the
 FP32 rescaling); p below the fp16 normal range is off by at most 2^-25 absolute.
@@ -28,6 +35,8 @@ from nanoqwen_lib import config
 from nanoqwen_lib.model import kvcache
 from nanoqwen_lib.format import quant
 from nanoqwen_lib.model import reference as ref
+
+from . import emulate as em
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -134,6 +143,7 @@ def run_gemm(rng, t, n, k, *, bias=False, residual=False, swiglu=False, configs=
         name = f"gemm T={t} N={n} K={k} bias={bias} residual={residual} swiglu={swiglu} {cfg or 'planned'}"
         worst = max(worst, check_close(name, out, ref16, tight_bound))
         check_close(name + " (exact weights)", out, exact, exact_bound)
+        em.check_rounding_bias(name, cp.asnumpy(out), cp.asnumpy(ref16))
     return worst
 
 
@@ -167,6 +177,53 @@ def test_gemm_7b(rng, weights_7b, proj, t):
 def test_gemm_odd(rng, t, n, k, variant):
     configs = [c for c in CONFIGS_ODD if c.get("split", 1) <= k // 64]
     run_gemm(rng, t, n, k, configs=configs, **variant)
+
+
+# ---- exact grid cases: every FP32 sum exact, so every output is fp16_rn of the integer result
+def run_grid(rng, t, n, k, *, kernel, configs, bias=False, residual=False, swiglu=False, act_buffer=False):
+    """One grid case (emulate.grid_int4), each launch config checked bit for bit."""
+    case = em.grid_int4(rng, t, n, k, bias=bias, residual=residual, swiglu=swiglu)
+    words, scales = cp.asarray(case["words"]), cp.asarray(case["scales"])
+    b = None if case["bias"] is None else cp.asarray(case["bias"])
+    out = cp.empty((t, n), dtype=cp.float16)
+    for cfg in configs:
+        out.fill(np.nan)
+        if residual:
+            out[...] = cp.asarray(case["residual"])
+        res = out if residual else None
+        if swiglu:
+            act = cp.empty((t, k), cp.float16) if act_buffer else None
+            ops_prefill.gemm_int4_swiglu(cp.asarray(case["gate_up"]), words, scales, out, residual=res, bias=b,
+                                         act=act, kernel=kernel, **cfg)
+        else:
+            ops_prefill.gemm_int4(cp.asarray(case["x"]), words, scales, out, bias=b, residual=res, kernel=kernel,
+                                  **cfg)
+        cp.cuda.Device().synchronize()
+        em.check_grid(f"{kernel} grid T={t} N={n} K={k} bias={bias} residual={residual} swiglu={swiglu} "
+                      f"{cfg or 'planned'}", cp.asnumpy(out), case)
+    return case
+
+
+GRID_MMA = [({}, 17, "qkv"), ({}, 17, "o_proj"), ({}, 130, "down"), (dict(bm=64, split=3, warps_m=4), 17, "down"),
+            (dict(bm=128, split=2, warps_m=4), 130, "qkv")]
+
+
+@pytest.mark.parametrize("cfg,t,proj", GRID_MMA,
+                         ids=[f"{p}-{t}-{'-'.join(f'{a}{b}' for a, b in c.items()) or 'planned'}" for c, t, p in GRID_MMA])
+def test_gemm_grid_exact(rng, cfg, t, proj):
+    """mma.sync GEMM on the 7B shapes (the plan, two split-K configs), with the engine's bias,
+    residual and, for down, SwiGLU (fused in the tile and through the act buffer): bit for bit."""
+    n, k = SHAPES_7B[proj]
+    run_grid(rng, t, n, k, kernel="mma", configs=[cfg], **PROJ_VARIANT[proj])
+    if proj == "down":
+        run_grid(rng, t, n, k, kernel="mma", configs=[{}], swiglu=True, residual=True, act_buffer=True)
+
+
+@pytest.mark.parametrize("t,n,k", [(5, 136, 384), (130, 7, 128), (200, 250, 256)])
+def test_gemm_grid_exact_odd(rng, t, n, k):
+    configs = [c for c in CONFIGS_ODD if c.get("split", 1) <= k // 64 and fits_workspace(t, n, c)]
+    for variant in ({}, dict(bias=True, residual=True), dict(swiglu=True, residual=True)):
+        run_grid(rng, t, n, k, kernel="mma", configs=configs, **variant)
 
 
 def test_split_k_is_deterministic_and_leaves_counters_clean(rng):

@@ -30,7 +30,8 @@ from nanoqwen_lib.format.layout import decode_gemv_shapes  # noqa: E402
 from nanoqwen_lib.gpu import ops_fp8, ops_prefill  # noqa: E402
 from .gpu_cases import SHAPES_7B, TINY16, U16  # noqa: E402
 from .gpu_cases import rand_int4 as rand_int4_host  # noqa: E402
-from .test_gpu_prefill import check_close  # noqa: E402
+from .test_gpu_prefill import check_close, run_grid  # noqa: E402
+from . import emulate as em  # noqa: E402
 
 SHAPES_TINY = decode_gemv_shapes(config.load().model("tiny"))
 TOKENS = (1, 17, 64, 100, 512, 2048)
@@ -62,7 +63,9 @@ def check_int4(name, out, ref, absdot, k, bias=None, residual=None):
         if extra is not None:
             want += extra.astype(cp.float64)
     bound = U16 * cp.abs(want) + (k / 16 + 8) * TINY16 * absdot + TINY16
-    return check_close(name, out, want, bound)
+    worst = check_close(name, out, want, bound)
+    em.check_rounding_bias(name, cp.asnumpy(out), cp.asnumpy(want))
+    return worst
 
 
 def run_int4(rng, t, n, k, *, bias, residual, configs, weights=None):
@@ -143,6 +146,24 @@ def test_wgmma_int4_tiny(rng, proj, t):
 def test_wgmma_int4_odd(rng, t, n, k):
     for v in VARIANT.values():
         run_int4(rng, t, n, k, configs=[{}, dict(bn=112, split=1), dict(bn=256, split=2)], **v)
+
+
+GRID_WGMMA = [(17, "qkv"), (130, "o_proj"), (17, "gate_up"), (64, "down")]
+
+
+@pytest.mark.parametrize("t,proj", GRID_WGMMA, ids=[f"{p}-{t}" for t, p in GRID_WGMMA])
+def test_wgmma_int4_grid_exact(rng, t, proj):
+    """The 7B shapes with the engine's bias / residual, through the plan, every BN build and a
+    split-K factor: bit for bit fp16_rn of the exact result (emulate.grid_int4)."""
+    n, k = SHAPES_7B[proj]
+    v = VARIANT[proj]
+    run_grid(rng, t, n, k, kernel="wgmma", configs=configs_for(t, n, k), bias=v["bias"], residual=v["residual"])
+
+
+def test_wgmma_int4_grid_exact_odd(rng):
+    for t, n, k in [(3, 8, 128), (257, 264, 256)]:
+        for v in VARIANT.values():
+            run_grid(rng, t, n, k, kernel="wgmma", configs=[{}, dict(bn=112, split=1), dict(bn=256, split=2)], **v)
 
 
 def test_wgmma_split_is_deterministic(rng):
