@@ -8,7 +8,7 @@ Three sources of cases, each a (name, config dict, expected outcome):
 * transformers' own saves: `Qwen2Config(...).save_pretrained` of the installed
   transformers, with every variation nanoqwen must read or refuse.
 
-An outcome is "computed" (ModelDims.from_hf_config accepts it and agrees with
+An outcome is "computed" (hf_config.dims_from_hf_config accepts it and agrees with
 `transformers.Qwen2Config.from_dict` on every value that changes the math) or the config
 key its one-line refusal names. tests/test_hf_configs.py checks every case; chapter 1
 prints the table (`corpus_table`).
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanoqwen_lib.config import ModelDims
+from nanoqwen_lib.format.hf_config import dims_from_hf_config
 from nanoqwen_lib.errors import ConfigError
 
 DATA = Path(__file__).resolve().parent / "data" / "hf_configs"
@@ -150,7 +151,7 @@ def save_pretrained_config(**kwargs) -> dict:
 
 def transformers_config_of(dims: ModelDims) -> dict:
     """The config.json transformers itself writes for a Qwen2 of these dims (never
-    dims.to_hf_config(): an oracle built from this cannot inherit a mistake of ours)."""
+    to_hf_config(dims): an oracle built from this cannot inherit a mistake of ours)."""
     return save_pretrained_config(
         architectures=["Qwen2ForCausalLM"], hidden_size=dims.hidden, intermediate_size=dims.intermediate,
         num_hidden_layers=dims.num_layers, num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
@@ -171,9 +172,9 @@ def all_cases() -> list[ConfigCase]:
 
 
 def nanoqwen_reading(case: ConfigCase) -> ModelDims | ConfigError:
-    """ModelDims.from_hf_config on the case (its own copy), or the refusal it raises."""
+    """dims_from_hf_config on the case (its own copy), or the refusal it raises."""
     try:
-        return ModelDims.from_hf_config(copy.deepcopy(case.config), source=f"{case.name}/config.json")
+        return dims_from_hf_config(copy.deepcopy(case.config), source=f"{case.name}/config.json")
     except ConfigError as e:
         return e
 

@@ -18,6 +18,7 @@ from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.format import layout
 from nanoqwen_lib.model import reference as ref
 from nanoqwen_lib.config import load
+from nanoqwen_lib.format.hf_config import dims_from_hf_config
 from nanoqwen_lib.errors import ConfigError, FormatError, LimitError
 from nanoqwen_lib.format.quant import dequantize_int4, pack_int4_value_shuffle, quantize_int4_groupwise
 
@@ -25,7 +26,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2 import modeling_qwen2 as hf_qwen2  # noqa: E402
 
-from nanoqwen_lib.config import ModelDims  # noqa: E402
 from nanoqwen_lib.model.oracle import hf_model  # noqa: E402
 
 from .hf_corpus import transformers_config_of  # noqa: E402
@@ -81,7 +81,7 @@ def hf_config(name) -> dict:
     """The config.json transformers writes for these dims; ours reads it back as the dims."""
     dims = load().model(name)
     cfg = transformers_config_of(dims)
-    assert ModelDims.from_hf_config(cfg) == dims
+    assert dims_from_hf_config(cfg) == dims
     return cfg
 
 

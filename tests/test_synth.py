@@ -13,6 +13,7 @@ from nanoqwen_lib.synthetic import cache, checkpoint as synth
 from nanoqwen_lib.format.checkpoint import INDEX, Checkpoint
 from nanoqwen_lib.config import load
 from nanoqwen_lib.format.layout import hf_tensors
+from nanoqwen_lib.format.hf_config import to_hf_config
 from nanoqwen_lib.synthetic.checkpoint import (CHUNK_ELEMS, row_chunks, write_shard, generate_chunk, plan_shards,
                                 synthesize_dims, tensor_recipe)
 from nanoqwen_lib.format.tokenizer import QwenTokenizer, hf_tokenizer_files
@@ -27,7 +28,7 @@ def tiny_dir():
 
 def test_exact_hf_layout(tiny_dir):
     st_torch = pytest.importorskip("safetensors.torch")
-    assert json.loads((tiny_dir / "config.json").read_text()) == TINY.to_hf_config()
+    assert json.loads((tiny_dir / "config.json").read_text()) == to_hf_config(TINY)
     gen = json.loads((tiny_dir / "generation_config.json").read_text())
     assert gen["bos_token_id"] == 151643 and gen["eos_token_id"] == [151645, 151643] and gen["do_sample"] is False
     index = json.loads((tiny_dir / INDEX).read_text())
@@ -144,7 +145,7 @@ def test_cache_dir_and_atomic_creation(tmp_path, monkeypatch):
     assert [p for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")] == []
 
     def quick(dims, seed, out_dir, **kw):
-        (out_dir / "config.json").write_text(json.dumps(dims.to_hf_config()))
+        (out_dir / "config.json").write_text(json.dumps(to_hf_config(dims)))
         return out_dir
 
     monkeypatch.setattr(synth, "synthesize", quick)

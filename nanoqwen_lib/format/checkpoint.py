@@ -26,6 +26,7 @@ import numpy as np
 from nanoqwen_lib.config import ModelDims
 from nanoqwen_lib.errors import CheckpointError
 from nanoqwen_lib.format.fileformat import CHAT_TEMPLATE_BLOB, CONFIG_BLOB, GENERATION_BLOB
+from nanoqwen_lib.format.hf_config import dims_from_hf_config
 from nanoqwen_lib.format.hf_meta import GENERATION_CONFIG, read_chat_template, read_generation_eos
 from nanoqwen_lib.format.layout import hf_tensors
 from nanoqwen_lib.format.safetensors_io import DTYPES, TensorInfo, load_tensor, read_header
@@ -63,7 +64,7 @@ class Checkpoint:
             raise CheckpointError(ckpt_dir, "checkpoint directory", "a directory", "nothing there")
         cfg_path = ckpt_dir / "config.json"
         hf_config = _read_json(cfg_path, "config.json")
-        dims = ModelDims.from_hf_config(hf_config, source=cfg_path)
+        dims = dims_from_hf_config(hf_config, source=cfg_path)
         weight_map = {n: s for n, s in _weight_map(ckpt_dir).items() if not IGNORED.fullmatch(n)}
         headers = _read_headers(ckpt_dir, weight_map)
         stored = {}    # model tensor name -> the name it is stored under, where they differ

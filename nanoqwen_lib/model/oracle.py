@@ -19,6 +19,7 @@ import numpy as np
 
 from nanoqwen_lib.errors import CheckpointError
 from nanoqwen_lib.format.layout import hf_tensors, is_quantized
+from nanoqwen_lib.format.hf_config import to_hf_config
 from nanoqwen_lib.format.quant import dequantize_projection
 
 
@@ -56,10 +57,10 @@ def qwen2_config(dims, hf_config: dict | None = None, **overrides):
     """transformers' Qwen2Config read from the checkpoint's own config.json (`hf_config`,
     e.g. NanoqwenFile.hf_config), so that a mis-read of ours shows up as a disagreement
     instead of being copied into the oracle. Only tensors with no checkpoint behind them
-    (the synthetic models, whose config.json is dims.to_hf_config() itself) fall back to
+    (the synthetic models, whose config.json is hf_config.to_hf_config(dims) itself) fall back to
     the dims. The RoPE base is checked against the dims: the bug this guards against."""
     transformers, _ = _transformers()
-    cfg = transformers.Qwen2Config.from_dict(dict(hf_config if hf_config is not None else dims.to_hf_config()),
+    cfg = transformers.Qwen2Config.from_dict(dict(hf_config if hf_config is not None else to_hf_config(dims)),
                                              **overrides)
     if cfg.rope_parameters["rope_theta"] != dims.rope_theta:
         raise CheckpointError("config.json", "rope_parameters.rope_theta", f"{dims.rope_theta} (the packed file's)",

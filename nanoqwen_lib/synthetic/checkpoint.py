@@ -55,6 +55,7 @@ import numpy as np
 from nanoqwen_lib.config import ModelDims, load
 from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.format.layout import hf_tensors
+from nanoqwen_lib.format.hf_config import to_hf_config
 from nanoqwen_lib.format.safetensors_io import SafetensorsWriter, bf16_bits
 
 RECIPE_VERSION = 1          # bump when values change (cache.py keys on it)
@@ -170,7 +171,7 @@ def write_metadata_files(dims: ModelDims, out_dir: Path) -> None:
     spec = load().tokenizer
     gen = {"bos_token_id": spec.bos_id, "pad_token_id": spec.pad_id, "eos_token_id": list(spec.eos_ids),
            "do_sample": False}
-    files = {"config.json": json.dumps(dims.to_hf_config(), indent=2).encode(),
+    files = {"config.json": json.dumps(to_hf_config(dims), indent=2).encode(),
              "generation_config.json": json.dumps(gen, indent=2).encode(),
              **hf_tokenizer_files(QwenTokenizer.default())}
     for fname, blob in files.items():
