@@ -363,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
              "Random bf16 weights from a seed (the same seed gives the same bytes), sharded safetensors, "
              "config.json, generation_config.json and the Qwen2 tokenizer files.")
     s.add_argument("--dims", required=True, choices=["tiny", "tiny-hd64", "7b"], help="model dims from nanoqwen.yaml")
-    s.add_argument("--seed", type=_nonneg, default=0, help="random seed, a non-negative integer (same seed, same weights)")
+    s.add_argument("--seed", type=_nonneg, default=0,
+                   help="random seed, a non-negative integer (same seed, same weights)")
     s.add_argument("--out", required=True, type=Path,
                    help="output directory: a new one (missing parents are created) or an empty one")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -376,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True, type=Path, help="the .nanoqwen file to write")
     s.add_argument("--weights", choices=["int4", "fp8"], default="int4",
                    help="encoding of the seven projections: int4 (group 128, the default; the GPU engine "
-                        "reads it) or fp8 (E4M3, one FP32 scale per output row; the GPU engine and the reference both run it)")
+                        "reads it) or fp8 (E4M3, one FP32 scale per output row; the GPU engine and the "
+                        "reference both run it)")
     s.add_argument("--layout", choices=["split", "stream"], default="split",
                    help="storage of the projections: split (codes and scales in two tensors, layout 1 for int4, "
                         "the default) or stream (int4 only: layout 3, one lane-fragment stream per projection, "
