@@ -54,11 +54,20 @@ def rz16(v) -> np.ndarray:
     return np.where(over, np.nextafter(r, np.float16(0)), r)
 
 
-def ulp16(v) -> np.ndarray:
-    """The fp16 spacing of the binade of |v| (2^-24 below the normal range)."""
-    a = np.abs(np.asarray(v, dtype=np.float64))
-    e = np.floor(np.log2(np.maximum(a, MIN_NORMAL16)))
-    return np.exp2(e - 10)
+def array_module(a):
+    """numpy, or cupy for a CuPy array (imported only when one is seen)."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+        return cupy
+    return np
+
+
+def ulp16(v):
+    """The fp16 spacing of the binade of |v| (2^-24 below the normal range); NumPy or CuPy."""
+    xp = array_module(v)
+    a = xp.abs(xp.asarray(v, dtype=xp.float64))
+    e = xp.floor(xp.log2(xp.maximum(a, MIN_NORMAL16)))
+    return xp.exp2(e - 10)
 
 
 def interval16(v64, w):
@@ -91,16 +100,18 @@ def rounding_bias(got, ref64) -> dict:
     own ulps, symmetric for a correct kernel; clipping keeps their sign and bounds their
     noise): 'magnitude' = mean(sign(ref) e) (round toward zero: ~ -0.5, away: ~ +0.5),
     'direction' = mean(e) (round down / up: ~ -0.5 / +0.5); 'n' elements and 'noise', the
-    standard error of either mean."""
-    g = np.asarray(got, dtype=np.float64).ravel()
-    r = np.asarray(ref64, dtype=np.float64).ravel()
-    keep = np.isfinite(g) & np.isfinite(r) & (np.abs(r) >= MIN_NORMAL16)
-    e = np.clip((g[keep] - r[keep]) / ulp16(r[keep]), -1.0, 1.0)
+    standard error of either mean. NumPy or CuPy arrays (both of one kind)."""
+    xp = array_module(ref64)
+    g = xp.asarray(got).astype(xp.float64).ravel()
+    r = xp.asarray(ref64).astype(xp.float64).ravel()
+    keep = xp.isfinite(g) & xp.isfinite(r) & (xp.abs(r) >= MIN_NORMAL16)
+    g, r = g[keep], r[keep]
+    e = xp.clip((g - r) / ulp16(r), -1.0, 1.0)
     n = int(e.size)
     if n < 2:
         return {"magnitude": 0.0, "direction": 0.0, "n": n, "noise": float("inf")}
-    return {"magnitude": float(np.mean(np.sign(r[keep]) * e)), "direction": float(np.mean(e)), "n": n,
-            "noise": float(np.std(e) / np.sqrt(n))}
+    return {"magnitude": float(xp.mean(xp.sign(r) * e)), "direction": float(xp.mean(e)), "n": n,
+            "noise": float(xp.std(e) / np.sqrt(n))}
 
 
 def bias_limit(noise: float) -> float:

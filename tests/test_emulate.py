@@ -254,6 +254,27 @@ def test_fp8_gemv_model_is_its_order(rng):
     assert np.sum(alt != out) > 100
 
 
+# ---------------------------------------------------------------- decode attention's tolerance
+def test_attention_tolerance_with_abs_pv_catches_rz(rng):
+    """kvcache.attention_tolerance(ref, abs_pv): fp16 RN of the float64 attention (plus an
+    FP32-sized perturbation) passes it; RZ fails it on a sixth of the outputs, where the old
+    1e-5 + 2^-10 |ref| lets RZ through everywhere."""
+    from nanoqwen_lib.model import kvcache
+    d = load().model("7b")
+    q, k, v, _, _ = kvcache.random_paged_case(d, 49, rng, max_pages=8)
+    r = kvcache.attention_ref_f64(q, k, v, d)
+    pv = kvcache.attention_abs_pv(q, k, v, d)
+    assert (pv >= np.abs(r)).all()
+    tol = kvcache.attention_tolerance(r, pv)
+    near = r * (1 + rng.uniform(-1, 1, r.size) * 2.0 ** -20)          # an FP32 result, a few ulps off
+    assert (np.abs(em.rn16(near).astype(np.float64) - r) <= tol).all()
+    rz = em.rz16(r).astype(np.float64)
+    caught = int(np.sum(np.abs(rz - r) > tol))
+    old = int(np.sum(np.abs(rz - r) > kvcache.attention_tolerance(r)))
+    print(f"RZ outside the abs_pv tolerance on {caught} of {r.size} outputs, outside the old one on {old}")
+    assert caught > 0.1 * r.size and old == 0
+
+
 # ---------------------------------------------------------------- one decoder layer
 def _tiny_layer():
     from nanoqwen_lib.format.weightfile import NanoqwenFile

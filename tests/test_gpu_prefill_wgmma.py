@@ -64,7 +64,7 @@ def check_int4(name, out, ref, absdot, k, bias=None, residual=None):
             want += extra.astype(cp.float64)
     bound = U16 * cp.abs(want) + (k / 16 + 8) * TINY16 * absdot + TINY16
     worst = check_close(name, out, want, bound)
-    em.check_rounding_bias(name, cp.asnumpy(out), cp.asnumpy(want))
+    em.check_rounding_bias(name, out, want)
     return worst
 
 
