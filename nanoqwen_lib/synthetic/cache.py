@@ -58,11 +58,12 @@ def synthetic_checkpoint_path(dims_name: str, seed: int = 0) -> Path:
 
 def synthetic_checkpoint(dims_name: str, seed: int = 0, progress: bool = True) -> Path:
     """A synthetic Hugging Face checkpoint of the named dims, created once and cached."""
-    from nanoqwen_lib.synthetic.checkpoint import synthesize, synthesize_dims
+    from nanoqwen_lib.synthetic.checkpoint import check_seed, synthesize, synthesize_dims
+    check_seed(seed)                   # a bad seed or an unknown name fails here, before any work
     final = synthetic_checkpoint_path(dims_name, seed)
     if final.is_dir():
         return final
-    dims = synthesize_dims(dims_name)  # an unknown name fails here, before any work
+    dims = synthesize_dims(dims_name)
 
     def build(final: Path) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))

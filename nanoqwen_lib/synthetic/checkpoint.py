@@ -58,7 +58,7 @@ from nanoqwen_lib.format.layout import hf_tensors
 from nanoqwen_lib.format.hf_config import to_hf_config
 from nanoqwen_lib.format.safetensors_io import SafetensorsWriter, bf16_bits
 
-RECIPE_VERSION = 1          # bump when values change (cache.py keys on it)
+RECIPE_VERSION = 2          # bump when values change (cache.py keys on it); 2: Qwen2.5's full chat template
 LOGIT_STD = 8.0
 QK_GAIN = math.sqrt(2.0)
 NORM_NOISE, BIAS_STD, PAD_ROW_SCALE = 0.05, 0.1, 0.1
