@@ -159,7 +159,8 @@ def test_grid_catches_rz_zeroed_row_and_dropped_slice(rng):
     zeroed = case["want"].copy()
     zeroed[:, 5] = 0
     assert em.grid_misses(zeroed, case["want"]).size >= t - 1
-    acc = x[:, : 3 * k // 4] @ w16[:, : 3 * k // 4].T + case["bias"].astype(np.float64)   # the last of 4 K slices dropped
+    kept = slice(0, 3 * k // 4)                                          # the last of 4 K slices dropped
+    acc = x[:, kept] @ w16[:, kept].T + case["bias"].astype(np.float64)
     assert em.grid_misses(em.rn16(acc), case["want"]).size > 0.9 * t * n
 
 
@@ -249,9 +250,28 @@ def test_fp8_gemv_model_is_its_order(rng):
     for j in range(3584):
         acc = acc + seq[:, j]
     alt = (acc * scales + bias.astype(np.float32)) + res.astype(np.float32)
-    print(f"{np.sum(alt != out)} of 512 FP32 results differ, {np.sum(alt.astype(np.float16) != out.astype(np.float16))} "
-          f"fp16 outputs")
+    flips = np.sum(alt.astype(np.float16) != out.astype(np.float16))
+    print(f"{np.sum(alt != out)} of 512 FP32 results differ, {flips} fp16 outputs")
     assert np.sum(alt != out) > 100
+
+
+def test_rmsnorm_interval(rng):
+    """rmsnorm in FP32 as the kernels compute it (sum of squares by FMAs in two orders, 1 /
+    sqrtf, x * r * w) lies in interval16(ref, NORM_REL |ref|) of the float64 result; RZ does not."""
+    rows, h = 64, 3584
+    x = (rng.standard_normal((rows, h)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float16).astype(np.float32)
+    w = rng.uniform(0.5, 2, h).astype(np.float16).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref64 = x64 / np.sqrt(np.mean(x64 ** 2, axis=1, keepdims=True) + 1e-6) * w
+    for chunks in (np.arange(h // 8), rng.permutation(h // 8)):
+        ss = np.zeros(rows, np.float32)
+        for c in chunks:                                           # chunks of 8, as sumsq8 (8 FMAs a chunk)
+            for j in range(8 * c, 8 * c + 8):
+                ss = (ss.astype(np.float64) + x64[:, j] ** 2).astype(np.float32)    # an FMA: one rounding
+        r = (np.float32(1) / np.sqrt(ss / np.float32(h) + np.float32(1e-6)))[:, None]
+        y = (x * r * w).astype(np.float16)
+        assert em.interval_misses(y, ref64, em.NORM_REL * np.abs(ref64)).size == 0
+    assert em.interval_misses(em.rz16(ref64), ref64, em.NORM_REL * np.abs(ref64)).size > 0.3 * rows * h
 
 
 # ---------------------------------------------------------------- decode attention's tolerance

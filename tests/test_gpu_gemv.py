@@ -244,6 +244,16 @@ def test_launcher_refuses_bad_buffers():
 
 # ---- the dp4a path --------------------------------------------------------------------------
 # ---- rmsnorm, embed, lm_head, argmax ---------------------------------------------------------
+def check_norm_interval(name, got, ref):
+    """rmsnorm's fp16 output in [RN16(ref - w), RN16(ref + w)], w = emulate.NORM_REL |ref| (its
+    FP32 sum of squares, 1 / sqrtf and two FMULs stay within ~2^-20 relative): half an ulp plus
+    w, where check_close allows a whole ulp; and no rounding bias."""
+    miss = em.interval_misses(got, ref, em.NORM_REL * np.abs(ref))
+    assert miss.size == 0, em.describe_misses(name, got, ref, em.NORM_REL * np.abs(ref), miss)
+    em.check_rounding_bias(name, got, ref)
+
+
+
 @pytest.mark.parametrize("h", [3584, 896, 128])
 def test_rmsnorm(rng, h):
     x, w = rng.standard_normal(h).astype(np.float16), rng.uniform(0.5, 2, h).astype(np.float16)
@@ -252,6 +262,7 @@ def test_rmsnorm(rng, h):
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 ** 2) + 1e-6) * w.astype(np.float64)
     check_close(f"rmsnorm H={h}", out.get(), ref, 0.0, 0.0)
+    check_norm_interval(f"rmsnorm H={h}", out.get(), ref)
 
 
 @pytest.mark.parametrize("rows", [2, 37, 512])
@@ -265,6 +276,7 @@ def test_rmsnorm_rows(rng, rows):
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 ** 2, axis=1, keepdims=True) + 1e-6) * w.astype(np.float64)
     check_close(f"rmsnorm rows={rows}", out.get().ravel(), ref.ravel(), 0.0, 0.0)
+    check_norm_interval(f"rmsnorm rows={rows}", out.get(), ref)
 
 
 def test_embed_rows(rng):

@@ -226,7 +226,7 @@ def test_layer_ops_match_reference_tiny_split_down(layer):
     print(f"tiny split down, layer {layer}:", res)
 
 
-def _logits_against_reference(nq_file, eng, prompt, forced, refm):
+def _logits_against_reference(nq_file, eng, prompt, forced):
     """eng prefills `prompt` token by token (every position through its decode step), then is
     forced through `forced`; each step's logits against the reference's on CuPy, relative
     error within LOGIT_SENSITIVITY_FACTOR times the reference's own one-ulp sensitivity at
@@ -236,13 +236,15 @@ def _logits_against_reference(nq_file, eng, prompt, forced, refm):
     from nanoqwen_lib.model.reference import ReferenceModel, argmax_and_gap
     from .sensitivity import one_ulp_sensitivity
     gap_max = load().validation.near_tie_logit_gap
+    _, sens = one_ulp_sensitivity(ReferenceModel, nq_file.dims, nq_file.model_tensors(), list(prompt) + list(forced),
+                                  (), cp)                         # (its two models are freed before the third)
+    bound = LOGIT_SENSITIVITY_FACTOR * sens
+    refm = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
     want, cache = refm.prefill(prompt)
     wants = [want[-1]]
     for tok in forced:
         wants.append(refm.decode(tok, cache))
-    _, sens = one_ulp_sensitivity(ReferenceModel, nq_file.dims, nq_file.model_tensors(), list(prompt) + list(forced),
-                                  (), cp)
-    bound = LOGIT_SENSITIVITY_FACTOR * sens
+    del refm, cache
     got_tok = [eng.prefill(prompt)]
     gots = [eng.logits().copy()]
     for tok in forced:
@@ -262,30 +264,24 @@ def _logits_against_reference(nq_file, eng, prompt, forced, refm):
 
 
 def test_logits_match_reference_tiny_split_down():
-    import cupy as cp
     from nanoqwen_lib.gpu.engine import GpuBackend
-    from nanoqwen_lib.model.reference import ReferenceModel
     from nanoqwen_lib.synthetic.packed import packed_synthetic
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     f = NanoqwenFile.open(packed_synthetic("tiny", seed=0))
     eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False, prefill="token-by-token")
     eng.pd = PersistentStep(eng, defines=SPLIT_DOWN)
     rng = np.random.default_rng(41)
-    _logits_against_reference(f, eng, prompt_ids(rng, 19), prompt_ids(rng, 4), ReferenceModel(f.dims, f.model_tensors(),
-                                                                                                xp=cp))
+    _logits_against_reference(f, eng, prompt_ids(rng, 19), prompt_ids(rng, 4))
 
 
 def test_logits_match_reference_7b(file_7b):
     """The 7B's own plan (down in NQ_PD_DOWN_KS = 4 slices on an H200): 17 prompt positions and
     4 forced tokens, every one a persistent step."""
-    import cupy as cp
     from nanoqwen_lib.gpu.engine import GpuBackend
-    from nanoqwen_lib.model.reference import ReferenceModel
     eng = GpuBackend(file_7b, max_tokens=256, decode="persistent", graphs=False, prefill="token-by-token")
     print("7b plan:", eng.pd.plan)
     rng = np.random.default_rng(42)
-    refm = ReferenceModel(file_7b.dims, file_7b.model_tensors(), xp=cp)
-    _logits_against_reference(file_7b, eng, prompt_ids(rng, 17), prompt_ids(rng, 4), refm)
+    _logits_against_reference(file_7b, eng, prompt_ids(rng, 17), prompt_ids(rng, 4))
 
 
 def test_timeline_build_records_every_instruction():

@@ -208,8 +208,8 @@ GRID_MMA = [({}, 17, "qkv"), ({}, 17, "o_proj"), ({}, 130, "down"), (dict(bm=64,
             (dict(bm=128, split=2, warps_m=4), 130, "qkv")]
 
 
-@pytest.mark.parametrize("cfg,t,proj", GRID_MMA,
-                         ids=[f"{p}-{t}-{'-'.join(f'{a}{b}' for a, b in c.items()) or 'planned'}" for c, t, p in GRID_MMA])
+@pytest.mark.parametrize("cfg,t,proj", GRID_MMA, ids=[f"{p}-{t}-{'-'.join(f'{a}{b}' for a, b in c.items()) or 'planned'}"
+                                                      for c, t, p in GRID_MMA])
 def test_gemm_grid_exact(rng, cfg, t, proj):
     """mma.sync GEMM on the 7B shapes (the plan, two split-K configs), with the engine's bias,
     residual and, for down, SwiGLU (fused in the tile and through the act buffer): bit for bit."""
