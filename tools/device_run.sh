@@ -19,6 +19,13 @@ for what in "$@"; do
       python3 -m pytest -m gpu -n 4 --dist loadfile --timeout 300 -q -rfE -p no:cacheprovider \
         --ignore=tests/test_book.py --ignore=tests/test_book_build.py 2>&1 | tee $OUT/gpu-tests.log | tail -25
       echo "gpu-tests: $(( $(date +%s) - t0 )) s" ;;
+    grids) t0=$(date +%s)
+      # the persistent step at 132, 114, 96, 78, 74 CTAs (alone and rebuilt on one engine), the
+      # fallback at 73 SMs, then the quick loop as a 114-SM Hopper plans it
+      timeout 330 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/test_gpu_grids.py 2>&1 | tee $OUT/grids.log \
+        | grep -E "grid|passed|failed|Error|^E |nanoqwen:" | tail -20
+      NANOQWEN_SMS=114 timeout 200 python3 -m pytest -m "gpu and quick" -n 4 -q -rfE -p no:cacheprovider 2>&1 | tail -4
+      echo "grids: $(( $(date +%s) - t0 )) s" ;;
     gpu-quick) t0=$(date +%s)
       python3 -m pytest -m "gpu and quick" -q -rfE -p no:cacheprovider 2>&1 | tail -5
       echo "gpu-quick: $(( $(date +%s) - t0 )) s" ;;
