@@ -84,9 +84,29 @@ def test_fp8_file_round_trip(fp8_tiny):
 
 
 def test_fp8_generates_on_the_reference(fp8_tiny):
+    """The packed file through ReferenceBackend gives the greedy tokens of a reference model
+    built here from the checkpoint itself (each projection quantized by
+    quant.quantize_fp8_rowwise, every other tensor cast to its packed dtype): the file, its
+    reader and the backend add nothing and drop nothing. The steps are decisive (no top-two
+    gap below 1e-3), so equal tokens are a real agreement, not a tie broken the same way."""
+    from nanoqwen_lib.format import layout
+    from nanoqwen_lib.format.checkpoint import Checkpoint
     from nanoqwen_lib.model.generate import ReferenceBackend, generate_ids
-    ids = list(generate_ids(ReferenceBackend(fp8_tiny), [9707, 1879, 11], 6))
-    assert len(ids) == 6 and all(0 <= t < fp8_tiny.dims.vocab for t in ids)
+    from nanoqwen_lib.model.reference import ReferenceModel
+    from nanoqwen_lib.synthetic.cache import synthetic_checkpoint
+    prompt, n = [9707, 1879, 11], 6
+    ids = list(generate_ids(ReferenceBackend(fp8_tiny), prompt, n))
+    ck = Checkpoint.open(synthetic_checkpoint("tiny"))
+    tensors = {}
+    for name, (dtype, _) in layout.packed_tensors(fp8_tiny.dims, "fp8").items():
+        if name.endswith(".qweight"):
+            proj = name[:-len(".qweight")]
+            tensors[name], tensors[proj + ".scales"] = quant.quantize_fp8_rowwise(ck.tensor(proj + ".weight"))
+        elif not name.endswith(".scales"):
+            tensors[name] = ck.tensor(name).astype(dtype)
+    want, gaps = ReferenceModel(fp8_tiny.dims, tensors).greedy(prompt, n)
+    assert ids == want, (ids, want)
+    assert min(gaps) > 1e-3, gaps
 
 
 def test_layout_id_is_never_reinterpreted(tmp_path):

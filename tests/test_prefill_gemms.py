@@ -1,19 +1,106 @@
-"""measure.prefill_gemms' arithmetic and table (CPU); its timings are the chapter's and the
-benchmark's, on the GPU."""
+"""measure.prefill_gemms on the CPU: what rates() launches for each kernel name (its
+launchers and CuPy replaced by recorders over NumPy), the TFLOP/s it derives, per_layer's
+sums and format_rates' table, each against a reference computed here on fresh random rows.
+The timings themselves are the chapter's and the benchmark's, on the GPU."""
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from nanoqwen_lib import config
+from nanoqwen_lib.format.layout import decode_gemv_shapes
 from nanoqwen_lib.measure import prefill_gemms as pg
 
 
-def test_per_layer_sums_and_table():
-    rows = [{"matrix": m, "n": 8, "k": 128, "kernel": k, "ms": ms, "tflops": tf}
-            for m, k, ms, tf in (("qkv", "wgmma", 0.1, 500.0), ("qkv", "mma", 0.2, 250.0),
-                                 ("down", "wgmma", 0.3, 600.0), ("down", "mma", 0.4, 450.0))]
-    assert pg.per_layer(rows) == {"wgmma": 0.1 + 0.3, "mma": 0.2 + 0.4}
-    text = pg.format_rates(rows, 28)
-    lines = text.splitlines()
-    assert lines[0].split()[:3] == ["matrix", "wgmma", "mma"]
-    assert lines[1].split() == ["qkv", "500", "250"] and lines[2].split() == ["down", "600", "450"]
-    assert lines[-1].split() == ["x28", f"{0.4 * 28:.2f}", f"{0.6 * 28:.2f}"]
+def _fake_cupy():
+    cp = types.ModuleType("cupy")
+    for name in ("zeros", "empty", "asarray", "matmul", "float16", "float32", "uint8"):
+        setattr(cp, name, getattr(np, name))
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    return cp
 
 
-def test_every_kernel_has_a_launch_name():
-    assert pg.KERNELS == ("wgmma", "mma", "cublas fp16", "fp8 wgmma", "fp8 mma")
+@pytest.fixture
+def recorded(monkeypatch):
+    """rates() on tiny's shapes with every launcher recording its call, and time_cuda
+    answering a distinct time per launch: -> (rows, calls in order)."""
+    ops_fp8 = pytest.importorskip("nanoqwen_lib.gpu.ops_fp8")
+    ops_prefill = pytest.importorskip("nanoqwen_lib.gpu.ops_prefill")
+    calls = []
+
+    def recorder(fn):
+        def launch(*args, **kw):
+            calls.append((fn, args, kw))
+        return launch
+    for mod, fn in ((ops_prefill, "gemm_int4"), (ops_prefill, "gemm_int4_gate_up_swiglu"),
+                    (ops_fp8, "gemm_fp8"), (ops_fp8, "quantize_rows_fp8")):
+        monkeypatch.setattr(mod, fn, recorder(fn))
+    cp = _fake_cupy()
+    real_matmul = cp.matmul
+    cp.matmul = lambda *a, **kw: (calls.append(("cublas", a, kw)), real_matmul(*a, **kw))[1]
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    timed = []
+
+    def time_cuda(launch, warmup, iters):
+        before = len(calls)
+        launch()
+        timed.append(calls[before:])
+        return {"median": 0.01 * len(timed)}       # ms, distinct per launch
+    monkeypatch.setattr(pg, "time_cuda", time_cuda)
+    dims = config.load().model("tiny")          # the 7B's layer structure at small shapes
+    rows = pg.rates(dims, 16, warmup=1, iters=1)
+    return dims, rows, timed
+
+
+def test_rates_launches_each_kernel_with_the_layers_epilogue(recorded):
+    dims, rows, timed = recorded
+    shapes = decode_gemv_shapes(dims)
+    assert [(r["matrix"], r["kernel"]) for r in rows] == [(m, k) for m in shapes for k in pg.KERNELS]
+    assert len(timed) == len(rows)
+    for r, launched in zip(rows, timed):
+        assert len(launched) == 1, (r["matrix"], r["kernel"], launched)
+        fn, args, kw = launched[0]
+        m, kern = r["matrix"], r["kernel"]
+        n, k = shapes[m]
+        assert (r["n"], r["k"]) == (n, k)
+        if kern == "cublas fp16":
+            assert fn == "cublas" and args[0].shape == (16, k) and args[1].shape == (k, n)
+            continue
+        if kern == "wgmma" and m == "gate_up":                       # SwiGLU fused: act out
+            assert fn == "gemm_int4_gate_up_swiglu" and args[3].shape == (16, n // 2)
+            continue
+        want_fn, want_kernel = ("gemm_fp8", kern[4:]) if kern.startswith("fp8 ") else ("gemm_int4", kern)
+        assert fn == want_fn and kw["kernel"] == want_kernel, (m, kern, fn, kw)
+        out = args[4] if fn == "gemm_fp8" else args[3]
+        assert out.shape == (16, n)
+        assert (kw["bias"] is not None) == (m == "qkv"), (m, kern)
+        assert (kw["residual"] is out) if m in ("o_proj", "down") else kw["residual"] is None, (m, kern)
+    for r, i in zip(rows, range(1, len(rows) + 1)):                 # TFLOP/s from the time answered
+        assert r["ms"] == pytest.approx(0.01 * i)
+        assert r["tflops"] == pytest.approx(2.0 * 16 * r["n"] * r["k"] / (r["ms"] * 1e-3) / 1e12, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_per_layer_and_table_against_the_rows(seed):
+    rng = np.random.default_rng(seed)
+    matrices, kernels = ["qkv", "o_proj", "gate_up", "down"], list(pg.KERNELS)
+    rows = [{"matrix": m, "n": 8, "k": 128, "kernel": k, "ms": float(rng.uniform(0.01, 2.0)),
+             "tflops": float(rng.uniform(1.0, 900.0))} for m in matrices for k in kernels]
+    layer = pg.per_layer(rows)
+    assert set(layer) == set(kernels)
+    for k in kernels:
+        assert layer[k] == pytest.approx(sum(r["ms"] for r in rows if r["kernel"] == k), rel=1e-12)
+    lines = pg.format_rates(rows, 28).splitlines()
+    assert len(lines) == 1 + len(matrices) + 2
+    assert lines[0] == "matrix   " + "".join(f"{k:>13}" for k in kernels) + "   (TFLOP/s)"
+    for line, m in zip(lines[1:], matrices):
+        cells = line[9:]
+        got = [float(cells[13 * j:13 * (j + 1)]) for j in range(len(kernels))]
+        want = [round(next(r["tflops"] for r in rows if (r["matrix"], r["kernel"]) == (m, k))) for k in kernels]
+        assert line[:9].strip() == m and got == want, (line, want)
+    for line, scale, digits in ((lines[-2], 1, 3), (lines[-1], 28, 2)):
+        got = [float(line[9 + 13 * j:9 + 13 * (j + 1)]) for j in range(len(kernels))]
+        assert got == [round(layer[k] * scale, digits) for k in kernels], (line, layer)
