@@ -14,7 +14,7 @@ for, before a GPU ever runs it (issue 31: "rounding checked, not only magnitude"
   layer     layer_ops_check passes a float32 engine and a truncating-tensor-core engine on
             tiny, and fails one whose down drops a K slice; at the 7B's down (K = 18944 in
             NQ_PD_DOWN_KS slices) the dropped slice is ~30 windows out on almost every row
-  logits    a dropped down slice moves tiny's logits ~100x the reference's own one-ulp
+  logits    a dropped down slice moves tiny's logits ~300x the reference's own one-ulp
             sensitivity, the yardstick of test_gpu_persistent.py's logits check
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ reference (issue 31) the persistent step against the reference model, not only a
          whole persistent steps (token-by-token prefill, then forced tokens) against the
          reference's, within LOGIT_SENSITIVITY_FACTOR times the reference's own change under
          one-ulp input noise (tests/sensitivity.py). A dropped K slice of down is ~30 windows
-         out at the layer and ~100 sensitivities out at the logits (tests/test_emulate.py).
+         out at the layer and ~300 sensitivities out at tiny's logits (tests/test_emulate.py).
 """
 from __future__ import annotations
 

@@ -96,8 +96,12 @@ restore() {
 trap restore EXIT
 trap 'restore; exit 130' INT TERM
 
-run_test() {   # -> 0 pass, 1 fail
-  timeout 600 python3 -m pytest -q -x -p no:cacheprovider "$1" >"$2" 2>&1
+run_test() {   # prints pass, FAIL or skip (a test that did not run: no GPU, or deselected)
+  if timeout 600 python3 -m pytest -q -x -p no:cacheprovider "$1" >"$2" 2>&1; then
+    if grep -qE "[0-9]+ passed" "$2"; then echo pass; else echo skip; fi
+  else
+    echo FAIL
+  fi
 }
 
 LOG=$(mktemp -d)
@@ -106,7 +110,8 @@ for f in "${picked[@]}"; do
   read -r -a tests <<<"${TESTS[$f]}"
   declare -A clean=()
   for t in "${tests[@]}"; do
-    if run_test "$t" "$LOG/clean.log"; then clean[$t]=pass; else clean[$t]=FAIL; cp "$LOG/clean.log" "$LOG/clean-$f-${#rows[@]}.log"; fi
+    clean[$t]=$(run_test "$t" "$LOG/clean.log")
+    [ "${clean[$t]}" = FAIL ] && cp "$LOG/clean.log" "$LOG/clean-$f-${#rows[@]}.log"
     rows+=("$f|$t|${clean[$t]}|")
   done
   TARGET=${FILE[$f]}
@@ -120,7 +125,7 @@ for f in "${picked[@]}"; do
   fi
   i=$(( ${#rows[@]} - ${#tests[@]} ))
   for t in "${tests[@]}"; do
-    if run_test "$t" "$LOG/fault.log"; then faulted=pass; else faulted=FAIL; fi
+    faulted=$(run_test "$t" "$LOG/fault.log")
     if [ "$faulted" = FAIL ]; then
       why=$(grep -m1 -E "^E  |Error|rounding bias|outside|differ" "$LOG/fault.log" | cut -c1-110)
     else
