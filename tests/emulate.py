@@ -474,7 +474,7 @@ def layer_ops_check(dims, weights, x_in, k_past, v_past, got, matvec=None, scale
     interval16(v64, w) with w the op's FP32 window plus what its unseen inputs may carry:
 
       y1 = rmsnorm(x_in)                 not kept: RN16 of float64, spread by NORM_REL
-      qkv = W_qkv y1 + b                 got["qkv"]       gemv_window (+ |W| dy1)
+      qkv = W_qkv y1 + b                 got["qkv"]       GEMV window (+ |W| dy1)
       k_new = rope(k of got qkv)         got["k"]         ROPE_ABS (|x1| + |x2|)
       v_new = v of got qkv               got["v"]         bit for bit
       attn(rope(q of got qkv), [k_past, k_new], [v_past, v_new])   got["attn"]   attention64
@@ -482,7 +482,7 @@ def layer_ops_check(dims, weights, x_in, k_past, v_past, got, matvec=None, scale
       y2 = rmsnorm(x_mid)                not kept
       gate_up = W_gu y2                  got["gate_up"]
       act = silu(g) u of got gate_up     not kept: spread by SILU_REL
-      x_out = x_mid + W_down act         got["x"]         gemv_window (+ |W| dact) + the x_mid spread
+      x_out = x_mid + W_down act         got["x"]         GEMV window (+ |W| dact) + the x_mid spread
 
     weights: reference.LayerWeights; matvec: a Matvec of them (default: NumPy); scales:
     matrix -> fp16 scales [N, K/128] for the fold term (None: no fold term); encoding "fp8":
