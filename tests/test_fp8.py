@@ -185,3 +185,47 @@ def test_fp8_prefill_amplifies_one_ulp_noise_int4_does_not():
     assert max(fp8_layers[1]) > 1e-2 and fp8_logits > 1e-2, seen["fp8"]
     assert max(int4_layers[1]) < 2e-3 and int4_logits < 2e-3, seen["int4"]
     assert max(fp8_layers[1]) > 10 * max(int4_layers[1])
+
+
+_LOGITS_SCRIPT = """
+import hashlib, sys
+import numpy as np
+from nanoqwen_lib.format import layout
+from nanoqwen_lib.format.checkpoint import Checkpoint
+from nanoqwen_lib.model.reference import ReferenceModel
+from nanoqwen_lib.synthetic.cache import synthetic_checkpoint
+ck = Checkpoint.open(synthetic_checkpoint("tiny", progress=False))
+fp16 = {n: ck.tensor(n).astype(np.float16) for n in layout.packed_tensors(ck.dims, "fp16")}
+prompt = np.random.default_rng(12).integers(0, 151643, 32).tolist()
+model = ReferenceModel(ck.dims, fp16)
+logits, cache = model.prefill(prompt)
+step = model.decode(int(logits[-1].argmax()), cache)
+print(hashlib.sha256(logits.tobytes() + step.tobytes()).hexdigest())
+"""
+
+
+def test_reference_logits_do_not_depend_on_the_blas_or_simd_path():
+    """Chapter 12's accuracy cells run the reference on the CPU and are compared on every
+    machine: the same logits bits with another BLAS kernel and thread count, and with
+    NumPy's SIMD paths above its baseline switched off (float32 BLAS sums, fp32 pow and
+    exp/sin/cos SIMD paths all differ; the reference sums and evaluates them in float64)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    root = Path(__file__).resolve().parents[1]
+    envs = [{}, {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}]
+    if platform.machine() in ("x86_64", "AMD64"):
+        off = " ".join(f for f in __cpu_dispatch__ if __cpu_features__.get(f))
+        envs.append({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1",
+                     **({"NPY_DISABLE_CPU_FEATURES": off} if off else {})})
+    hashes = []
+    for extra in envs:
+        env = {**os.environ, "PYTHONPATH": str(root), **extra}
+        r = subprocess.run([sys.executable, "-c", _LOGITS_SCRIPT], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        hashes.append(r.stdout.split()[-1])
+    assert len(set(hashes)) == 1, list(zip(envs, hashes))
