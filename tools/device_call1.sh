@@ -3,13 +3,11 @@
 set -uo pipefail
 T0=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
-bash tools/device_run.sh grids
+bash tools/device_run.sh ${FIRST:-grids}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/nqc}
 t=$(( $(left) - 300 )); [ $t -gt 150 ] && t=150
-if [ $t -gt 30 ]; then
-  timeout $t python3 -m pytest -q -rfE -n 4 -p no:cacheprovider \
-    tests/test_gpu_gemv.py tests/test_gpu_prefill.py tests/test_gpu_prefill_wgmma.py tests/test_gpu_fp8.py tests/test_gpu_persistent.py \
-    -k "grid_exact or split_down or 7b or rmsnorm" 2>&1 | tee $OUT/rounding.log | tail -15
+if [ $t -gt 30 ] && [ -n "${TESTS:-}" ]; then
+  timeout $t python3 -m pytest -q -rfE -n 4 -p no:cacheprovider $TESTS 2>&1 | tee $OUT/tests.log | tail -15
 fi
 export NANOQWEN_WRITE_RECORDS=1
 mkdir -p /tmp/exec-logs
