@@ -477,7 +477,6 @@ def _check(number: str, unit: str, own: Source, sources) -> bool:
 PROSE_ALLOWED = {
     ("00-path-of-a-token", "8", "tokens"): "exercise: a batch size to try",
     ("01-weight-file", "0.5", "GB"): "the tiny file's size, roughly (chapter 12 prints 560.7 MB)",
-    ("03-reference-model", "49", "tokens"): "a prefix length of the test, named in the text",
     ("03-reference-model", "15", "GB"): "the real checkpoint's download, outside the book",
     ("04-int4-gemv", "80-90", "%"): "the prediction the H200 contradicted, not a measurement",
     ("05-paged-kv-cache", "15", "tokens"): "arithmetic: a 16-token page wastes at most 15",
@@ -486,7 +485,7 @@ PROSE_ALLOWED = {
     ("06-paged-attention", "132", "SMs"): "the H200's SM count (datasheet; nanoqwen.yaml hardware)",
     ("06-paged-attention", "4", "KiB"): "a page's K or V slice of one head: 16 x 128 x 2 bytes",
     ("06-paged-attention", "4", "tokens"): "a lane's share of a page, from the kernel's layout",
-    ("06-paged-attention", "49", "tokens"): "printed by the race cell once executed on a GPU",
+    ("06-paged-attention", "32768", "tokens"): "a context of the chapter's CONTEXTS, printed as 'ctx 32768'",
     ("06-paged-attention", "60", "MiB"): "the H200's L2 (the attention bench's protocol)",
     ("06-paged-attention", "2", "KiB"): "K+V of one token and layer: 2 x 4 x 128 x 2 bytes",
     ("06-paged-attention", "228", "KiB"): "exercise: the SM's shared memory (datasheet)",

@@ -56,12 +56,12 @@ def rmsnorm(x, w, eps, xp=np, rnd=round_fp16):
 
 
 def rope_inv_freq(head_dim, theta, xp=np):
-    """inv_freq[i] = 1 / theta^(2i/d), computed in fp32 as Hugging Face does -> float32 [d/2].
-
-    Libraries' fp32 pow may differ by an ulp (torch builds do); kernels take this table from
-    here so that they and the reference share its bits."""
-    exponents = xp.arange(0, head_dim, 2, dtype="float32") / head_dim
-    return (1.0 / (theta ** exponents)).astype("float32")
+    """inv_freq[i] = 1 / theta^(2i/d) -> float32 [d/2]: the exponent in fp32 as Hugging Face
+    computes it, the power in float64, rounded once (fp32 pow differs by an ulp between
+    libraries and between NumPy's SIMD paths; this table is the same on every CPU). Kernels
+    take it from here so that they and the reference share its bits."""
+    exponents = np.arange(0, head_dim, 2, dtype="float32") / head_dim
+    return xp.asarray((1.0 / theta ** exponents.astype(np.float64)).astype("float32"))
 
 
 def rope_tables(positions, head_dim, theta, xp=np):
@@ -71,7 +71,7 @@ def rope_tables(positions, head_dim, theta, xp=np):
     rotate_half."""
     inv_freq = rope_inv_freq(head_dim, theta, xp)
     angle = xp.asarray(positions).astype("float32")[:, None] * inv_freq[None, :]
-    return xp.cos(angle), xp.sin(angle)
+    return f64(xp.cos, angle), f64(xp.sin, angle)
 
 
 def apply_rope(x, cos, sin):
@@ -86,9 +86,25 @@ def apply_rope(x, cos, sin):
     return xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def matmul(a, b):
+    """a @ b as float32. On NumPy the sums run in float64 and are rounded once, so the bits
+    do not depend on the BLAS (its kernel for this CPU, its threads); on CuPy, cuBLAS fp32."""
+    if isinstance(a, np.ndarray):
+        return (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).astype(np.float32)
+    return a @ b
+
+
+def f64(fn, a):
+    """fn(a) as float32; on NumPy computed in float64 and rounded once, so the bits do not
+    depend on which SIMD path NumPy's float32 exp/sin/cos take on this CPU."""
+    if isinstance(a, np.ndarray):
+        return fn(a.astype(np.float64)).astype(np.float32)
+    return fn(a)
+
+
 def linear(x, w, bias=None, residual=None, rnd=round_fp16):
     """x [..., in] fp32, w [out, in] fp32 -> rnd(residual + (W . x + bias)), FP32 inside."""
-    y = x @ w.T
+    y = matmul(x, w.T)
     if bias is not None:
         y = y + bias
     if residual is not None:
@@ -113,7 +129,7 @@ def swiglu(gate_up, rnd=round_fp16):
     xp = array_module(gate_up)
     inter = gate_up.shape[-1] // 2
     g, u = gate_up[..., :inter], gate_up[..., inter:]
-    return rnd(g / (1.0 + xp.exp(-g)) * u)
+    return rnd(g / (1.0 + f64(xp.exp, -g)) * u)
 
 
 def attention_prefill(q, k, v, rnd=round_fp16, hidden=None):
@@ -129,12 +145,12 @@ def attention_prefill(q, k, v, rnd=round_fp16, hidden=None):
     group = heads // kv_heads
     qg = q.reshape(T, kv_heads, group, d).transpose(1, 2, 0, 3)      # [kv, group, T, d]
     kt = k.transpose(1, 2, 0)[:, None]                               # [kv, 1, d, ctx]
-    scores = (qg @ kt) * (d ** -0.5)                                 # [kv, group, T, ctx]
+    scores = matmul(qg, kt) * (d ** -0.5)                            # [kv, group, T, ctx]
     future = xp.arange(ctx)[None, :] > (ctx - T + xp.arange(T))[:, None] if hidden is None else hidden
     scores = xp.where(future, -xp.inf, scores)
-    p = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+    p = f64(xp.exp, scores - scores.max(axis=-1, keepdims=True))
     p = p / p.sum(axis=-1, keepdims=True)
-    out = p @ v.transpose(1, 0, 2)[:, None]                          # [kv, group, T, d]
+    out = matmul(p, v.transpose(1, 0, 2)[:, None])                   # [kv, group, T, d]
     return rnd(out.transpose(2, 0, 1, 3).reshape(T, heads, d))
 
 
@@ -217,7 +233,7 @@ def decoder_layer_decode(x, w: LayerWeights, k_past, v_past, dims, rnd=round_fp1
 
 def final_logits(x, norm_w, lm_head, eps, xp=np, rnd=round_fp16):
     """x [..., hidden] -> logits [..., vocab] float32 = W_lm_head . rmsnorm(x), unrounded."""
-    return rmsnorm(x, norm_w, eps, xp, rnd) @ lm_head.T
+    return matmul(rmsnorm(x, norm_w, eps, xp, rnd), lm_head.T)
 
 
 # ---------------------------------------------------------------- the KV cache
@@ -275,6 +291,11 @@ class ReferenceModel:
         self.norm = xp.asarray(tensors["model.norm.weight"]).astype("float32")
         head = "model.embed_tokens.weight" if dims.tie_embeddings else "lm_head.weight"
         self.lm_head = xp.asarray(tensors[head]).astype("float32")             # fp16 values, fp32 math
+        if xp is np:   # the products summed in float64 (matmul): the weights held there once, exactly
+            for w in self.layers:
+                for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+                    setattr(w, name, getattr(w, name).astype(np.float64))
+            self.lm_head = self.lm_head.astype(np.float64)
 
     def forward(self, ids, cache: ContiguousKV, prefill: bool = False):
         """ids [T] (list or NumPy ints) at positions cache.length.. -> logits float32
