@@ -312,7 +312,7 @@ def cmd_demo(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from nanoqwen_lib.measure.bench import benchmark_e2e, format_report, write_json
+    from nanoqwen_lib.measure.bench import benchmark_e2e, format_report
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     f = NanoqwenFile.open(a.file, verify_payload=not a.no_verify)
     require_gpu("GPU", "bench times the GPU engine")
@@ -326,8 +326,11 @@ def cmd_bench(a) -> int:
                                llama_cpp_json=a.llama_cpp)
     print(format_report(r))
     if a.json:
-        write_json(r, a.json)
-        print(f"wrote {a.json}")
+        from nanoqwen_lib.measure import records
+        persistent = r["protocol"]["decode"].startswith("one persistent kernel")
+        records.write(a.json, r, records.measures_for_bench("persistent" if persistent else "graph",
+                                                            f.encoding, peers=bool(a.peers)))
+        print(f"wrote {a.json} (with its provenance: the commit and the digests of the code it measures)")
     return 0
 
 

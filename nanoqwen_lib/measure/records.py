@@ -35,7 +35,8 @@ FIELD = "provenance"
 # What each record measures: the kernels and modules whose speed or outputs it holds (its
 # writer passes the same list to write()). Shared pieces first.
 _K_COMMON = ["kernels/common.cuh", "kernels/hopper.cuh", "kernels/argmax.cuh", "kernels/rowops.cuh"]
-_PLAN = ["nanoqwen_lib/config.py", "nanoqwen_lib/nanoqwen.yaml"]          # kernels' defines, protocol
+_PLAN = ["nanoqwen_lib/config.py", "nanoqwen_lib/nanoqwen.yaml",          # kernels' defines, protocol
+         "nanoqwen_lib/gpu/hardware.py"]                                    # what the planners plan for
 _GRAPH_STEP = ["kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/decode_ops.cu",
                "kernels/paged_attention.cu", "kernels/rope_append.cu", "kernels/lm_head.cu",
                "kernels/engine_step.cu", "nanoqwen_lib/gpu/engine.py", "nanoqwen_lib/gpu/layer.py",
@@ -58,7 +59,7 @@ MEASURES = {   # book/data/<name> -> what it measures
     "persistent-variants.json": _K_COMMON + _PLAN + PERSISTENT + ["nanoqwen_lib/measure/timeline.py",
                                                                    "tools/bench_persistent.py"],
     "bench-int4.json": BENCH_INT4 + PEERS,
-    "scoreboard.json": BENCH_INT4 + PEERS,
+    "scoreboard.json": BENCH_PERSISTENT + PEERS,      # nanoqwen bench --peers with the default (persistent) step
     "bench-fp8.json": BENCH_FP8,
     "prefill-fp8.json": _K_COMMON + _FP8 + ["kernels/lab/wgmma_fp8.cu", "nanoqwen_lib/gpu/lab/fp8.py",
                                             "tools/bench_prefill.py"],
