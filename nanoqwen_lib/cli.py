@@ -107,24 +107,21 @@ def _ids(text: str) -> list[int]:
     return [int(t) for t in items]
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {v}")
-    return v
+def _int_at_least(low: int, what: str):
+    """An argparse type: an integer >= low, refused as 'expected <what>, found ...'."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {v}")
+        return v
+    return parse
 
 
-def _nonneg(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {v}")
-    return v
+_positive = _int_at_least(1, "a positive integer")
+_nonneg = _int_at_least(0, "a non-negative integer")
 
 
 def _check_output_dir(path: Path, flag: str) -> None:
