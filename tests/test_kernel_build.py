@@ -267,3 +267,35 @@ def test_a_bad_tuning_table_is_refused_naming_the_field(tmp_path, monkeypatch, e
     finally:
         monkeypatch.undo()
         config.load.cache_clear()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_kernel_gets_the_defines_it_reads(name):
+    """compile_options(name=...) passes a kernel only the NQ_* defines its file and headers
+    mention, and every knob it requires (#error-guarded) among them."""
+    dims = config.load().model("7b")
+    short = name.split("/")[-1] if name.startswith("lab/") else name
+    opts = cuda_build.compile_options(dims, cuda_build.planned_defines(short, dims), include_cuda=False, name=name)
+    passed = {o[2:].split("=")[0] for o in opts if o.startswith("-D")}
+    assert passed <= cuda_build.names_used(name) | set(cuda_build.planned_defines(short, dims))
+    assert set(guarded_knobs(name)) <= passed, set(guarded_knobs(name)) - passed
+    assert len(passed) < len(config.cuda_defines(dims))
+
+
+@pytest.mark.parametrize("name", ["gemv_int4", "decode_persistent"])
+def test_own_defines_compile_to_the_same_cubin(name):
+    """Leaving out the defines a kernel never reads changes none of its code."""
+    from cupy_backends.cuda.libs import nvrtc
+    dims = config.load().model("tiny")
+    extra = cuda_build.planned_defines(name, dims)
+
+    def build(opts):
+        prog = nvrtc.createProgram(cuda_build.kernel_source(name), f"{name}.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, list(opts))
+            return nvrtc.getCUBIN(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+    arch = cuda_build.kernel_arch(name)
+    assert build(cuda_build.compile_options(dims, extra, arch=arch, name=name)) == \
+        build(cuda_build.compile_options(dims, extra, arch=arch))

@@ -5,7 +5,8 @@
   reads the register / spill report from the CUBIN.
 * `load_module` gives a cupy.RawModule (GPU only) built from the same source and options.
 
-Constants reach the kernels as -D defines from nanoqwen.yaml (config.cuda_defines); the
+Constants reach the kernels as -D defines from nanoqwen.yaml (config.cuda_defines), each
+kernel the ones its source reads (names_used) plus its planner's (planned_defines); the
 `static_assert`s in kernels/common.cuh guard the invariants at compile time.
 """
 from __future__ import annotations
@@ -59,10 +60,33 @@ def kernel_arch(name: str) -> str:
     return ARCH
 
 
+@functools.lru_cache(maxsize=None)
+def names_used(name: str) -> frozenset:
+    """The NQ_* names kernels/<name>.cu and the kernels/ headers it includes mention: the
+    defines it is compiled with (another kernel's knobs are not its options, so changing them
+    rebuilds only the kernels that read them)."""
+    import re
+    seen, todo, names = set(), [KERNEL_DIR / f"{name}.cu"], set()
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.add(path)
+        text = path.read_text()
+        names |= set(re.findall(r"\bNQ_[A-Z0-9_]+\b", text))
+        for inc in re.findall(r'#include\s+"([^"]+)"', text):
+            todo += [path.parent / inc, KERNEL_DIR / inc]
+    return frozenset(names)
+
+
 def compile_options(dims: ModelDims | None = None, extra_defines: dict | None = None,
-                    include_cuda: bool = True, arch: str = ARCH) -> tuple[str, ...]:
-    """The exact NVRTC options of the runtime (CPU check and GPU load share them)."""
+                    include_cuda: bool = True, arch: str = ARCH, name: str | None = None) -> tuple[str, ...]:
+    """The exact NVRTC options of the runtime (CPU check and GPU load share them). With the
+    kernel's name, only the defines it reads (names_used) besides the extra ones asked for."""
     defines = dict(cuda_defines(dims))
+    if name is not None:
+        used = names_used(name)
+        defines = {k: v for k, v in defines.items() if k in used}
     defines.update(extra_defines or {})
     opts = [f"--gpu-architecture={arch}", "--std=c++17", f"-I{KERNEL_DIR}"]
     if include_cuda:
@@ -98,7 +122,7 @@ def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict 
     try:
         for expr in name_expressions:
             nvrtc.addNameExpression(prog, expr)
-        opts = compile_options(dims, extra_defines, arch=kernel_arch(name)) + ("-Xptxas=-v",)
+        opts = compile_options(dims, extra_defines, arch=kernel_arch(name), name=name) + ("-Xptxas=-v",)
         try:
             nvrtc.compileProgram(prog, list(opts))
         except nvrtc.NVRTCError as e:
@@ -183,7 +207,7 @@ def _load_module_cached(name: str, dims: ModelDims | None, extra: tuple) -> "obj
     require_hopper(f"kernels/{name}.cu")        # before CuPy hands another GPU's -arch to NVRTC
     import cupy
 
-    opts = compile_options(dims, dict(extra), include_cuda=True, arch=kernel_arch(name))
+    opts = compile_options(dims, dict(extra), include_cuda=True, arch=kernel_arch(name), name=name)
     return cupy.RawModule(code=kernel_source(name), options=opts, backend="nvrtc")
 
 
