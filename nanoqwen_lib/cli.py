@@ -124,6 +124,17 @@ _positive = _int_at_least(1, "a positive integer")
 _nonneg = _int_at_least(0, "a non-negative integer")
 
 
+def _check_writable_parent(path: Path, flag: str) -> None:
+    """The nearest existing ancestor of path is a directory this process may write into."""
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LimitError(path, flag, "a path under a directory", f"{parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LimitError(path, flag, "a writable location", f"{parent} is not writable")
+
+
 def _check_output_dir(path: Path, flag: str) -> None:
     """Refuse an output directory that cannot be written, or that holds something already
     (a checkpoint is never written over, nor mixed with other files), before any work."""
@@ -136,13 +147,7 @@ def _check_output_dir(path: Path, flag: str) -> None:
             raise LimitError(path, flag, "a new or empty directory",
                              f"a directory with {len(entries)} {'entry' if len(entries) == 1 else 'entries'} "
                              f"({shown})")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise LimitError(path, flag, "a path under a directory", f"{parent} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise LimitError(path, flag, "a writable location", f"{parent} is not writable")
+    _check_writable_parent(path, flag)
 
 
 def cmd_synth(a) -> int:
@@ -181,13 +186,7 @@ def _check_output_file(path: Path, flag: str) -> None:
     """Refuse an output path that cannot become a file, before any work."""
     if path.is_dir():
         raise LimitError(path, flag, "a file path", "an existing directory")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise LimitError(path, flag, "a path under a directory", f"{parent} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise LimitError(path, flag, "a writable location", f"{parent} is not writable")
+    _check_writable_parent(path, flag)
 
 
 def cmd_pack(a) -> int:

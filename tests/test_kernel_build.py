@@ -161,15 +161,8 @@ def test_lab_files_say_what_they_are():
 def guarded_knobs(name: str) -> list[str]:
     """The NQ_* knobs kernels/<name>.cu (with the headers it includes from kernels/) requires
     through `#ifndef NQ_X` + `#error`."""
-    seen, todo, knobs = set(), [cuda_build.KERNEL_DIR / f"{name}.cu"], []
-    while todo:
-        path = todo.pop()
-        if path in seen or not path.exists():
-            continue
-        seen.add(path)
-        src = path.read_text()
-        todo += [cuda_build.KERNEL_DIR / inc for inc in re.findall(r'#include "([^"]+)"', src)]
-        knobs += re.findall(r"#ifndef (NQ_\w+)[^\n]*\n#error", src)
+    knobs = [k for path in cuda_build.kernel_files(name)
+             for k in re.findall(r"#ifndef (NQ_\w+)[^\n]*\n#error", path.read_text())]
     return sorted(set(knobs))
 
 

@@ -60,23 +60,27 @@ def kernel_arch(name: str) -> str:
     return ARCH
 
 
+def kernel_files(name: str) -> list[Path]:
+    """kernels/<name>.cu and every kernels/ header it includes, directly or not, in the order found."""
+    import re
+    seen, todo = [], [KERNEL_DIR / f"{name}.cu"]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.append(path)
+        for inc in re.findall(r'#include\s+"([^"]+)"', path.read_text()):
+            todo += [path.parent / inc, KERNEL_DIR / inc]
+    return seen
+
+
 @functools.lru_cache(maxsize=None)
 def names_used(name: str) -> frozenset:
     """The NQ_* names kernels/<name>.cu and the kernels/ headers it includes mention: the
     defines it is compiled with (another kernel's knobs are not its options, so changing them
     rebuilds only the kernels that read them)."""
     import re
-    seen, todo, names = set(), [KERNEL_DIR / f"{name}.cu"], set()
-    while todo:
-        path = todo.pop()
-        if path in seen or not path.exists():
-            continue
-        seen.add(path)
-        text = path.read_text()
-        names |= set(re.findall(r"\bNQ_[A-Z0-9_]+\b", text))
-        for inc in re.findall(r'#include\s+"([^"]+)"', text):
-            todo += [path.parent / inc, KERNEL_DIR / inc]
-    return frozenset(names)
+    return frozenset(n for path in kernel_files(name) for n in re.findall(r"\bNQ_[A-Z0-9_]+\b", path.read_text()))
 
 
 def compile_options(dims: ModelDims | None = None, extra_defines: dict | None = None,
