@@ -135,6 +135,23 @@ def check_prefill(nq_file, refm, n, seed, layers, max_tokens):
     assert int(eng.arena["s.generated"][n - 1].get()) == first
 
 
+def forced_near_ties(eng, prompt, ids, physical_pages=None, what="engine") -> int:
+    """eng prefilled with prompt, then teacher-forced on another step's greedy tokens ids
+    (ids[0] its first token): at every step eng picks ids[i + 1], or the two are a near-tie in
+    eng's own logits (validation.near_tie_logit_gap). Returns the near-ties."""
+    gap_max = load().validation.near_tie_logit_gap
+    assert eng.prefill(prompt, physical_pages=physical_pages) == ids[0]
+    ties = 0
+    for i in range(len(ids) - 1):
+        got = eng.force(ids[i])
+        if got != ids[i + 1]:
+            logits = eng.logits()
+            gap = abs(float(logits[got]) - float(logits[ids[i + 1]]))
+            assert gap < gap_max, f"{what}, step {i}: {got}, expected {ids[i + 1]}, logit gap {gap:.3f}"
+            ties += 1
+    return ties
+
+
 def prompt_ids(rng, n, vocab=151643) -> list[int]:
     """n random ids of the BPE range (no special tokens)."""
     return rng.integers(0, vocab, n).tolist()

@@ -11,7 +11,7 @@ import pytest
 
 from nanoqwen_lib.gpu.cuda_build import have_gpu
 
-from .gpu_cases import prompt_ids
+from .gpu_cases import forced_near_ties, prompt_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs a Hopper GPU")]
 
@@ -41,20 +41,8 @@ def graph_run(file_7b):
 
 
 def _forced_ties(eng, prompt, perm, ids) -> int:
-    """Teacher-forced on the graph's tokens (graph replay: the engine's captured step); every
-    disagreement must be a near-tie in the engine's own logits. Returns the near-ties."""
-    from nanoqwen_lib.config import load
-    gap_max = load().validation.near_tie_logit_gap
-    assert eng.prefill(prompt, physical_pages=perm) == ids[0]
-    ties = 0
-    for i in range(STEPS):
-        got = eng.force(ids[i])
-        if got != ids[i + 1]:
-            logits = eng.logits()
-            gap = abs(float(logits[got]) - float(logits[ids[i + 1]]))
-            assert gap < gap_max, f"grid {eng.pd.grid}, step {i}: {got} vs graph {ids[i + 1]}, gap {gap:.3f}"
-            ties += 1
-    return ties
+    """Teacher-forced on the graph's tokens (graph replay: the engine's captured step)."""
+    return forced_near_ties(eng, prompt, ids, perm, what=f"grid {eng.pd.grid}")
 
 
 @pytest.mark.parametrize("grid", GRIDS)

@@ -36,7 +36,7 @@ import pytest
 from nanoqwen_lib.gpu.cuda_build import have_gpu
 from nanoqwen_lib.gpu.persistent import PersistentStep
 
-from .gpu_cases import LOGIT_SENSITIVITY_FACTOR, check_decode_layer, prompt_ids
+from .gpu_cases import LOGIT_SENSITIVITY_FACTOR, check_decode_layer, forced_near_ties, prompt_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_gpu(), reason="needs a CUDA GPU")]
 
@@ -93,9 +93,7 @@ def test_persistent_equals_graph_up_to_near_ties_7b(file_7b):
     """130 tokens of the kernel-per-op graph from one prompt; the persistent engine, forced
     with the same tokens, picks the graph's next token at every step, or the two are a
     near-tie in its own logits (validation.near_tie_logit_gap)."""
-    from nanoqwen_lib.config import load
     from nanoqwen_lib.gpu.engine import GpuBackend
-    gap_max = load().validation.near_tie_logit_gap
     rng = np.random.default_rng(5)
     prompt, perm = prompt_ids(rng, 17), rng.permutation(-(-600 // 16))
     graph = GpuBackend(file_7b, max_tokens=600, decode="graph")
@@ -104,15 +102,7 @@ def test_persistent_equals_graph_up_to_near_ties_7b(file_7b):
         ids.append(graph.decode(ids[-1]))
     del graph
     pers = GpuBackend(file_7b, max_tokens=600, decode="persistent")
-    assert pers.prefill(prompt, physical_pages=perm) == ids[0]
-    ties = 0
-    for i in range(129):
-        got = pers.force(ids[i])
-        if got != ids[i + 1]:
-            logits = pers.logits()
-            gap = abs(float(logits[got]) - float(logits[ids[i + 1]]))
-            assert gap < gap_max, f"step {i}: persistent {got}, graph {ids[i + 1]}, logit gap {gap:.3f}"
-            ties += 1
+    ties = forced_near_ties(pers, prompt, ids, perm, what="persistent against graph")
     print(f"persistent vs graph: 129 steps, {ties} near-ties")
 
 
