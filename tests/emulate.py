@@ -42,6 +42,12 @@ BIAS_LIMIT = 0.1             # |rounding_bias| allowed, in ulps (test_emulate.py
 # to 0.117 ulp toward -inf at 3584 x 3584 and 1000 x 18944 (the tensor core's FP32 sums of the
 # large offset terms do not round to nearest). Allowed up to this, which still fails RZ (0.5).
 FOLD_BIAS_LIMIT = 0.2
+# The mean error toward +inf is not a mean of independent errors: every output of a GEMV shares
+# its x, and the tensor core's truncated FP32 sums carry a part that depends on x alone. Over the
+# GPU suite on the H200 (NANOQWEN_SMS=114), correct kernels gave |direction| up to 0.234 ulp
+# with a standard error of 0.006 to 0.037, while |magnitude| stayed inside its limits. So the
+# direction has its own, coarse limit: it still fails an epilogue that rounds down or up (0.5).
+DIRECTION_LIMIT = 0.4
 
 
 # ---------------------------------------------------------------- fp16 rounding
@@ -128,15 +134,21 @@ def bias_limit(noise: float, floor: float = BIAS_LIMIT) -> float:
 
 
 def check_rounding_bias(name, got, ref64, floor: float = BIAS_LIMIT) -> dict:
-    """Assert |magnitude| and |direction| < bias_limit (skipped, and said so in the result,
-    where the outputs are too few to tell)."""
+    """Assert |magnitude| < bias_limit and |direction| < DIRECTION_LIMIT (or 10 standard
+    errors where there are few outputs); each is skipped, and said so in the result (limit
+    None), where the outputs are too few to tell rounding toward zero, or down, apart."""
     b = rounding_bias(got, ref64)
     b["limit"] = bias_limit(b["noise"], floor)
+    d = max(DIRECTION_LIMIT, 10.0 * b["noise"])
+    b["direction_limit"] = d if d <= 0.45 else None
+    msg = (f"{name}: rounding bias {b['magnitude']:+.3f} ulp toward the magnitude (limit {b['limit']}), "
+           f"{b['direction']:+.3f} toward +inf (limit {b['direction_limit']}) over {b['n']} outputs (noise "
+           f"{b['noise']:.3f}); a round-to-nearest epilogue gives ~0, round-toward-zero -0.5 toward the "
+           f"magnitude, round-down -0.5 toward +inf (tests/emulate.py)")
     if b["limit"] is not None:
-        assert abs(b["magnitude"]) < b["limit"] and abs(b["direction"]) < b["limit"], (
-            f"{name}: rounding bias {b['magnitude']:+.3f} ulp toward the magnitude, {b['direction']:+.3f} toward "
-            f"+inf over {b['n']} outputs (noise {b['noise']:.3f}, limit {b['limit']:.3f}); a round-to-nearest "
-            f"epilogue gives ~0, round-toward-zero ~-0.5 (tests/emulate.py)")
+        assert abs(b["magnitude"]) < b["limit"], msg
+    if b["direction_limit"] is not None:
+        assert abs(b["direction"]) < b["direction_limit"], msg
     return b
 
 

@@ -20,9 +20,10 @@ tests/test_emulate.py):
   grid    test_gemv_int4_grid_exact: inputs on which every FP32 sum is exact in any order
           (emulate.grid_int4), so the output must be fp16_rn of the integer result, bit for
           bit: RZ changes most outputs, a zeroed row or a dropped K slice its own;
-  bias    every random case: the mean signed error in ulps, toward the magnitude and toward
-          +inf, within emulate.bias_limit (0.1 over a few thousand outputs: ~0 for RN even
-          with a truncating tensor core, -0.5 for RZ).
+  bias    every random case: the mean signed error in ulps toward the magnitude within
+          emulate.bias_limit (0.1 over a few thousand outputs: ~0 for RN even with a truncating
+          tensor core, -0.5 for RZ), and toward +inf within the coarser DIRECTION_LIMIT (the
+          outputs share x, so that mean is not one of independent errors; -0.5 for round-down).
 
 NQ_GEMV_FOLD=1 (gemv_int4.cu, [fold]) lets the tensor core sum (1032 + s) x and (72 + s) x
 and subtracts 1032 sum_lo x + 72 sum_hi x per group afterwards: its fp32 partial sums are

@@ -292,3 +292,42 @@ def test_own_defines_compile_to_the_same_cubin(name):
     arch = cuda_build.kernel_arch(name)
     assert build(cuda_build.compile_options(dims, extra, arch=arch, name=name)) == \
         build(cuda_build.compile_options(dims, extra, arch=arch))
+
+
+def test_a_header_edit_changes_the_module_source(tmp_path, monkeypatch):
+    """CuPy's kernel cache keys a RawModule by its source text and options, never by the headers
+    NVRTC opens: the source both compile paths use (module_source) names every included
+    header's digest, so an edit of gemv_int4.cuh (included by gemv_int4.cu and, through it,
+    by decode_persistent.cu) reaches both modules and no other."""
+    import shutil
+    before = {n: cuda_build.module_source(n) for n in ("gemv_int4", "decode_persistent", "lm_head")}
+    assert before["gemv_int4"].startswith(cuda_build.kernel_source("gemv_int4"))
+    assert "gemv_int4.cuh=" in before["gemv_int4"] and "common.cuh=" in before["gemv_int4"]
+    scratch = tmp_path / "kernels"
+    shutil.copytree(cuda_build.KERNEL_DIR, scratch)
+    monkeypatch.setattr(cuda_build, "KERNEL_DIR", scratch)
+    assert {n: cuda_build.module_source(n) for n in before} == before      # same bytes, same key
+    with open(scratch / "gemv_int4.cuh", "a") as f:
+        f.write("\n// an edit\n")
+    after = {n: cuda_build.module_source(n) for n in before}
+    assert after["gemv_int4"] != before["gemv_int4"]
+    assert after["decode_persistent"] != before["decode_persistent"]
+    assert after["lm_head"] == before["lm_head"]
+    # what follows the kernel's own text is one comment line: no line of the kernel moves
+    assert after["gemv_int4"].splitlines()[:-1] == cuda_build.kernel_source("gemv_int4").splitlines()
+    assert after["gemv_int4"].splitlines()[-1].startswith("// nanoqwen headers: ")
+
+
+def test_the_header_key_changes_no_instruction():
+    """The digest comment compiles to the same CUBIN as the kernel's file alone."""
+    from cupy_backends.cuda.libs import nvrtc
+    name, dims = "gemv_int4", config.load().model("tiny")
+
+    def build(src):
+        prog = nvrtc.createProgram(src, f"{name}.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, list(cuda_build.compile_options(dims, arch=cuda_build.kernel_arch(name), name=name)))
+            return nvrtc.getCUBIN(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+    assert build(cuda_build.module_source(name)) == build(cuda_build.kernel_source(name))

@@ -15,10 +15,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/
 OUT=${OUT:-/tmp/out}
 for what in "$@"; do
   case $what in
-    gpu-tests) t0=$(date +%s)
+    gpu-tests) t0=$(date +%s); tag=${NANOQWEN_SMS:-all}
       python3 -m pytest -m gpu -n 4 --dist loadfile --timeout 300 -q -rfE -p no:cacheprovider \
-        --ignore=tests/test_book.py --ignore=tests/test_book_build.py 2>&1 | tee $OUT/gpu-tests.log | tail -25
-      echo "gpu-tests: $(( $(date +%s) - t0 )) s" ;;
+        --ignore=tests/test_book.py --ignore=tests/test_book_build.py 2>&1 | tee $OUT/gpu-tests-$tag.log | tail -25
+      echo "gpu-tests (SMs: $tag): $(( $(date +%s) - t0 )) s" ;;
     grids) t0=$(date +%s)
       # the persistent step at 132, 114, 96, 78, 74 CTAs (alone and rebuilt on one engine), the
       # fallback at 73 SMs, then the quick loop as a 114-SM Hopper plans it
@@ -108,6 +108,12 @@ for what in "$@"; do
     validate-tiny)
       f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic as p; print(p('tiny'))")
       python3 -m nanoqwen_lib validate "$f" --stages graph 2>&1 | tee $OUT/validate-tiny.log | tail -3 ;;
+    nbval-par)
+      # the whole book's strict regression, one chapter per worker (nbval's cells must stay in order)
+      t0=$(date +%s); tag=${NANOQWEN_SMS:-all}
+      python3 -m pytest --nbval book/ --nbval-sanitize-with book/sanitize.cfg -n 4 --dist loadfile -q -rfE -p no:cacheprovider 2>&1 \
+        | tee $OUT/nbval-$tag.log | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12
+      echo "nbval book/ (SMs: $tag): $(( $(date +%s) - t0 )) s" ;;
     nbval)
       t0=$(date +%s)
       python3 -m pytest --nbval book/ --nbval-sanitize-with book/sanitize.cfg -q -p no:cacheprovider 2>&1 | tee $OUT/nbval.log | tail -8

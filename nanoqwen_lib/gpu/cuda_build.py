@@ -3,7 +3,8 @@
 * `compile_cubin` runs NVRTC directly (cupy_backends.cuda.libs.nvrtc). It needs no GPU, so
   CI compiles every kernel and variant for sm_90 with exactly the runtime's options and
   reads the register / spill report from the CUBIN.
-* `load_module` gives a cupy.RawModule (GPU only) built from the same source and options.
+* `load_module` gives a cupy.RawModule (GPU only) built from the same source and options
+  (module_source: the kernel's file with its headers' digests, so CuPy's cache sees a header edit).
 
 Constants reach the kernels as -D defines from nanoqwen.yaml (config.cuda_defines), each
 kernel the ones its source reads (names_used) plus its planner's (planned_defines); the
@@ -104,6 +105,19 @@ def kernel_source(name: str) -> str:
     return (KERNEL_DIR / f"{name}.cu").read_text()
 
 
+def module_source(name: str) -> str:
+    """What both compile paths hand NVRTC: kernel_source plus, after its last line, a comment
+    naming the SHA-256 of every kernels/ header it includes. CuPy's kernel cache keys a module
+    by its source text and options, not by the headers NVRTC opens, so without this an edited
+    header would reuse the CUBIN built before the edit. A comment changes no instruction, and
+    at the end it moves no line number."""
+    import hashlib
+    heads = [p for p in kernel_files(name) if p.suffix != ".cu"]
+    key = " ".join(f"{p.name}={hashlib.sha256(p.read_bytes()).hexdigest()[:16]}" for p in heads)
+    src = kernel_source(name)
+    return src + ("" if src.endswith("\n") else "\n") + f"// nanoqwen headers: {key or 'none'}\n"
+
+
 def planned_defines(name: str, dims: ModelDims | None) -> dict:
     """The constants of kernels/<name>.cu that a planner computes for this machine rather than
     nanoqwen.yaml fixes: the persistent step's split of each GEMV (gpu.persistent, for
@@ -121,7 +135,7 @@ def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict 
     from cupy_backends.cuda.libs import nvrtc
 
     extra_defines = {**planned_defines(name, dims), **(extra_defines or {})}
-    src = kernel_source(name)
+    src = module_source(name)
     prog = nvrtc.createProgram(src, f"{name}.cu", [], [])
     try:
         for expr in name_expressions:
@@ -212,7 +226,7 @@ def _load_module_cached(name: str, dims: ModelDims | None, extra: tuple) -> "obj
     import cupy
 
     opts = compile_options(dims, dict(extra), include_cuda=True, arch=kernel_arch(name), name=name)
-    return cupy.RawModule(code=kernel_source(name), options=opts, backend="nvrtc")
+    return cupy.RawModule(code=module_source(name), options=opts, backend="nvrtc")
 
 
 def load_module(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None):
