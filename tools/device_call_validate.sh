@@ -12,6 +12,12 @@ for step in ${STEPS:-}; do
     *=*=*|SMS=*) export NANOQWEN_SMS=${step#SMS=}; [ "$NANOQWEN_SMS" = all ] && unset NANOQWEN_SMS; echo "NANOQWEN_SMS=${NANOQWEN_SMS:-unset}"; continue ;;
   esac
   l=$(( $(left) - 10 )); [ $l -lt 30 ] && { echo "no time left for $step"; continue; }
+  if [ $step = retest ]; then   # the node ids listed in .retest (GPU tests to run again), 4 workers
+    bash tools/device_run.sh >/dev/null; t1=$(date +%s)
+    timeout $l python3 -m pytest -q -rfE -n 4 --dist loadfile -p no:cacheprovider $(cat .retest) 2>&1 \
+      | tee $OUT/retest-${NANOQWEN_SMS:-all}.log | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12
+    echo "retest (SMs: ${NANOQWEN_SMS:-all}): $(( $(date +%s) - t1 )) s"; continue
+  fi
   timeout $l bash tools/device_run.sh $step
 done
 if [ -n "${FAULTS:-}" ]; then
