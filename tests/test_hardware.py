@@ -212,3 +212,16 @@ def test_a_split_beyond_the_grid_is_refused(m, tg, ks):
     plan = dict(persistent_plan(d, 132), **{f"NQ_PD_{m}_TG": tg, f"NQ_PD_{m}_KS": ks})
     with pytest.raises(LimitError, match=f"NQ_PD_{m}"):
         check_plan(d, plan, 132)
+
+
+def test_nbval_under_xdist_is_said_to_share_the_gpu():
+    """The header's warning: chapters run at once (`--nbval -n 4`) share one GPU and their
+    same-run speed checks can fail; one worker, or no --nbval, is not warned about."""
+    import types
+    import conftest
+    mk = lambda **k: types.SimpleNamespace(option=types.SimpleNamespace(**k))   # noqa: E731
+    assert conftest.shares_the_gpu(mk(nbval=True, numprocesses=4))
+    assert not conftest.shares_the_gpu(mk(nbval=True, numprocesses=1))
+    assert not conftest.shares_the_gpu(mk(nbval=True, numprocesses=None))
+    assert not conftest.shares_the_gpu(mk(nbval=False, numprocesses=4))
+    assert not conftest.shares_the_gpu(mk(nbval=True))
