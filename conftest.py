@@ -6,6 +6,9 @@
   BLAS's summation order under a near-tie): without a GPU it still executes (the chapter
   takes its reference path, deciding with `cuda_build.have_gpu()`), but its output is not
   compared with the H200's.
+* A cell tagged `nbval-measured` prints this run's measurements (timings, a plan, errors of
+  the GPU's sum order): it is compared with its numbers masked (tests/measured_cells.py), so
+  its rows, words, units and outputs must match on any Hopper GPU while its digits may not.
 * A test marked `@pytest.mark.gpu` is skipped without a GPU.
 * The notebook kernels nbval starts import `nanoqwen_lib` from this checkout, installed
   or not.
@@ -62,10 +65,15 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     from nanoqwen_lib.gpu.hardware import gpu_status
+    from tests.measured_cells import MEASURED_TAG, compare_measured
 
+    for item in items:
+        tags = _nbval_cell_tags(item)
+        if tags is not None and MEASURED_TAG in tags:
+            compare_measured(item)
     status = gpu_status()
     if status.usable:
-        return  # everything runs and every output is compared
+        return  # everything runs and every output is compared (measured cells: masked)
     # A GPU that cannot run the kernels (another architecture, a driver this CuPy cannot use)
     # is said in the reason of every skip, so a suite that tested nothing does not look green.
     why = "needs a Hopper GPU (sm_90)" if status.kind == "none" else f"GPU unusable: {status.reason}"

@@ -213,6 +213,40 @@ def sass_loops(sass_text: str, kernel: str) -> list[list[str]]:
     return out
 
 
+# What a hot loop spends its issue slots on, in classes that every toolkit's SASS has (the
+# opcodes themselves, and how ptxas mixes them, change between NVRTC versions).
+SASS_CLASSES = (
+    ("tensor core", ("HMMA", "HGMMA", "QGMMA", "IMMA", "WARPGROUP")),
+    ("FP8/FP16 conversion", ("F2FP", "F2F", "I2F", "HADD2.F32")),
+    ("FP32 math", ("FFMA", "FADD", "FMUL", "FMNMX")),
+    ("FP16 math", ("HFMA2", "HADD2", "HMUL2")),
+    ("global loads", ("LDG", "LDGSTS", "UBLKCP", "UTMALDG")),
+    ("shared and constant loads", ("LDS", "LDSM", "LDC", "ULDC")),
+    ("stores", ("STS", "STG", "ST", "STSM", "RED", "ATOM", "ATOMS")),
+    ("integer and bits", ("IMAD", "IADD3", "LOP3", "SHF", "PRMT", "LEA", "ISETP", "SEL", "MOV", "CS2R", "UIADD3",
+                          "UMOV", "ULEA", "ULOP3", "USHF", "UISETP")),
+    ("barriers and branches", ("BAR", "SYNCS", "BRA", "DEPBAR", "WARPSYNC", "BSSY", "BSYNC")),
+)
+
+
+def sass_classes(ops) -> dict[str, int]:
+    """Opcodes (a loop from `sass_loops`, or a Counter of them) -> count per SASS_CLASSES class,
+    every class present, in order, plus "other". An opcode belongs to the first class one of
+    whose names is its base name (`HADD2.F32` is the FP16->FP32 conversion, not FP16 math)."""
+    import collections
+    counts = collections.Counter(ops)
+    out = {name: 0 for name, _ in SASS_CLASSES} | {"other": 0}
+    for op, n in counts.items():
+        base = op.split(".")[0]
+        for name, members in SASS_CLASSES:
+            if any(op == m or op.startswith(m + ".") for m in members if "." in m) or base in members:
+                out[name] += n
+                break
+        else:
+            out["other"] += n
+    return out
+
+
 def resource_report(log: str) -> list[str]:
     """The ptxas lines of an NVRTC log: registers, shared memory, stack frame, spills."""
     return [ln.strip() for ln in log.splitlines()
