@@ -267,7 +267,7 @@ def test_bench_measures_match_the_records_they_write():
     """`nanoqwen bench --json` (cli) names what it measured; the committed records agree."""
     assert records.measures_for_bench("persistent") == records.MEASURES["persistent.json"]
     assert records.measures_for_bench("persistent", "int4", peers=True) == records.MEASURES["scoreboard.json"]
-    assert records.measures_for_bench("graph", "int4", peers=True) == records.MEASURES["bench-int4.json"]
+    assert records.measures_for_bench("graph", "int4") == records.MEASURES["bench-int4.json"]
     assert records.measures_for_bench("graph", "fp8") == records.MEASURES["bench-fp8.json"]
     with pytest.raises(NanoqwenError, match="bench measures"):
         records.measures_for_bench("eager")

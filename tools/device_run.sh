@@ -109,8 +109,9 @@ PY
       # nbval=00,02: the strict chapter regression on those chapters
       nbs=$(for n in $(echo ${what#nbval=} | tr , ' '); do ls book/$n-*.ipynb; done)
       t0=$(date +%s)
-      python3 -m pytest --nbval $nbs --nbval-sanitize-with book/sanitize.cfg -q -p no:cacheprovider 2>&1 | tee $OUT/nbval-${what#nbval=}.log | tail -4
-      echo "nbval ${what#nbval=}: $(( $(date +%s) - t0 )) s" ;;
+      log=$OUT/nbval-$(echo ${what#nbval=} | tr , _)-sms${NANOQWEN_SMS:-all}.log   # no commas: the device returns plain names only
+      python3 -m pytest --nbval $nbs --nbval-sanitize-with book/sanitize.cfg -q -rfE -p no:cacheprovider 2>&1 | tee $log | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12
+      echo "nbval ${what#nbval=} (SMs: ${NANOQWEN_SMS:-all}): $(( $(date +%s) - t0 )) s" ;;
     gpu-chapters)
       # The chapters whose outputs depend on the GPU, executed in place (their outputs are the goldens).
       export NANOQWEN_WRITE_RECORDS=1
