@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 from tests.measured_cells import GLUE_MIME, MEASURED_TAG, mask_glue, mask_measured
+from tests.test_book import _notebook   # a scratch notebook: (source, stored stdout, tags) per cell
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "book"
@@ -86,17 +87,6 @@ def test_a_measured_golden_masks_to_a_fixed_shape():
         text = "".join(o.get("text", "") for o in c.outputs)
         if text:
             assert re.search(r"[A-Za-z]{3}", mask_measured(text)), f"{stem} cell {i}: nothing but numbers"
-
-
-def _notebook(cells):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    for source, stored, tags in cells:
-        c = nbformat.v4.new_code_cell(source, metadata={"tags": tags})
-        c.execution_count = 1
-        c.outputs = [nbformat.v4.new_output("stream", name="stdout", text=stored)]
-        nb.cells.append(c)
-    return nb
 
 
 def test_conftest_compares_measured_cells_with_numbers_masked(tmp_path):
