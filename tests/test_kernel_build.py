@@ -145,6 +145,19 @@ def test_sass_of_the_wgmma_prefill(bn):
             assert not re.search(r"\b(LDL|STL)\b", body), f"{kernel} bn={bn}: local memory"
 
 
+def test_sass_classes():
+    """Every class present, in order; an opcode goes to the first class that names it or its
+    dotted prefix; what no class names is "other"."""
+    ops = ["HADD2.F32", "HADD2.F32", "HADD2", "F2FP.F16.E4M3.UNPACK_B", "HGMMA.64x128x16.F32", "LDG.E.EF.128",
+           "LDS.128", "STS.128", "ST.E", "F2F.F16.F32", "IADD3.X", "BRA", "NOP", "STL.64"]
+    got = cuda_build.sass_classes(ops)
+    assert list(got) == [name for name, _ in cuda_build.SASS_CLASSES] + ["other"]
+    assert got == {"tensor core": 1, "FP8/FP16 conversion": 4, "FP32 math": 0, "FP16 math": 1, "global loads": 1,
+                   "shared and constant loads": 1, "stores": 2, "integer and bits": 1,
+                   "barriers and branches": 1, "other": 2}                 # NOP, STL (not ST, not STS)
+    assert sum(got.values()) == len(ops)
+
+
 def test_lab_files_say_what_they_are():
     """Every lab kernel file opens with a line naming itself and saying what it is, and the
     engines' directory holds no lab variant knob."""

@@ -231,15 +231,14 @@ SASS_CLASSES = (
 
 def sass_classes(ops) -> dict[str, int]:
     """Opcodes (a loop from `sass_loops`, or a Counter of them) -> count per SASS_CLASSES class,
-    every class present, in order, plus "other". An opcode belongs to the first class one of
-    whose names is its base name (`HADD2.F32` is the FP16->FP32 conversion, not FP16 math)."""
+    every class present, in order, plus "other". An opcode belongs to the first class that
+    names it or a prefix of it ending at a dot (`HADD2.F32` is the FP16->FP32 conversion, named
+    before FP16 math's `HADD2`)."""
     import collections
-    counts = collections.Counter(ops)
     out = {name: 0 for name, _ in SASS_CLASSES} | {"other": 0}
-    for op, n in counts.items():
-        base = op.split(".")[0]
+    for op, n in collections.Counter(ops).items():
         for name, members in SASS_CLASSES:
-            if any(op == m or op.startswith(m + ".") for m in members if "." in m) or base in members:
+            if any(op == m or op.startswith(m + ".") for m in members):
                 out[name] += n
                 break
         else:
