@@ -175,6 +175,14 @@ PY
       while [ ! -f .peers/prep.done ] && [ $(( $(date +%s) - t0 )) -lt ${LLAMA_WAIT:-400} ]; do sleep 5; done
       echo "llama.cpp prep: rc $(cat .peers/prep.done 2>/dev/null || echo 'not done') after $(( $(date +%s) - t0 )) s more"
       tail -4 .peers/prep.log; cp .peers/prep.log $OUT/ 2>/dev/null ;;
+    llama-profile)
+      # quantized files ready (llama-prep-bg, llama-wait): ncu over llama-bench, one token's and one
+      # prompt's kernels (tools/llama_cpp_profile.py); the raw CSVs come back in one tarball
+      t0=$(date +%s)
+      timeout ${LLAMA_TIMEOUT:-400} python3 tools/llama_cpp_profile.py run --work .peers/work \
+        --prebuilt .peers/llama-cpp-build-sm90.tar.xz --raw /tmp/llama-profile-raw 2>&1 | tail -12
+      tar czf $OUT/llama-profile-raw.tgz -C /tmp llama-profile-raw
+      echo "llama-profile: $(( $(date +%s) - t0 )) s" ;;
     llama-timed)
       # quantized files ready: time with llama-bench and check tokens (alone on the GPU)
       timeout ${LLAMA_TIMEOUT:-400} python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
