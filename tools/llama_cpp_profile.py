@@ -63,17 +63,16 @@ def parse_raw_csv(text: str, source: str = "<csv>") -> list[tuple[str, float]]:
         raise ValueError(f"{source}: no header with 'Kernel Name' and '{METRIC}' (ncu's raw page)")
     head = rows[start]
     k, m = head.index("Kernel Name"), head.index(METRIC)
-    body = rows[start + 1:]
-    scale = 1.0
-    if body and body[0][m] in UNIT_NS:                   # the units row
-        scale = UNIT_NS[body[0][m]]
-        body = body[1:]
+    first, scale = start + 1, 1.0
+    if first < len(rows) and len(rows[first]) > m and rows[first][m] in UNIT_NS:   # the units row
+        scale, first = UNIT_NS[rows[first][m]], first + 1
     out = []
-    for i, r in enumerate(body):
+    for i in range(first, len(rows)):
+        r = rows[i]
         try:
             out.append((base_name(r[k]), float(r[m].replace(",", "")) * scale))
         except (IndexError, ValueError) as e:
-            raise ValueError(f"{source}: row {start + 2 + i}: expected a kernel name and a duration, found {r[:3]}...") from e
+            raise ValueError(f"{source}: row {i + 1}: expected a kernel name and a duration, found {r[:3]}...") from e
     return out
 
 

@@ -13,6 +13,7 @@ kernel the ones its source reads (names_used) plus its planner's (planned_define
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import site
 import struct
@@ -131,16 +132,34 @@ def planned_defines(name: str, dims: ModelDims | None) -> dict:
 def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None,
                   name_expressions: tuple[str, ...] = ()) -> tuple[bytes, str]:
     """Compile kernels/<name>.cu for its target (sm_90, or its nq-arch line) through NVRTC
-    without a GPU. Returns (cubin, log)."""
+    without a GPU. Returns (cubin, log), the log with ptxas's -v report of every entry."""
+    extra_defines = {**planned_defines(name, dims), **(extra_defines or {})}
+    opts = compile_options(dims, extra_defines, arch=kernel_arch(name), name=name) + ("-Xptxas=-v",)
+    src = module_source(name)
+    cubin, log = _nvrtc_cubin(name, src, opts, name_expressions)
+    if "Compiling entry" not in log:
+        # NVRTC 12.9+ caches programs: a repeated compile (seen on the H200's NVRTC 13.0, in one
+        # process) returns the CUBIN with an empty log, so ptxas's -v report is gone. A comment
+        # after the last line (no instruction changes) makes it a new program, compiled afresh.
+        cubin, log = _nvrtc_cubin(name, src + f"\n// nq: compiled afresh for ptxas's report ({os.getpid()}, "
+                                  f"{next(_FRESH)})\n", opts, name_expressions)
+        if "Compiling entry" not in log:
+            raise RuntimeError(f"kernels/{name}.cu: NVRTC compiled it but returned no ptxas report "
+                               f"(-Xptxas=-v), even for a fresh program; its log: {log[:400]!r}")
+    return cubin, log
+
+
+_FRESH = itertools.count()
+
+
+def _nvrtc_cubin(name: str, src: str, opts: tuple, name_expressions: tuple) -> tuple[bytes, str]:
+    """One NVRTC program: compiled, its CUBIN and log read, destroyed."""
     from cupy_backends.cuda.libs import nvrtc
 
-    extra_defines = {**planned_defines(name, dims), **(extra_defines or {})}
-    src = module_source(name)
     prog = nvrtc.createProgram(src, f"{name}.cu", [], [])
     try:
         for expr in name_expressions:
             nvrtc.addNameExpression(prog, expr)
-        opts = compile_options(dims, extra_defines, arch=kernel_arch(name), name=name) + ("-Xptxas=-v",)
         try:
             nvrtc.compileProgram(prog, list(opts))
         except nvrtc.NVRTCError as e:
