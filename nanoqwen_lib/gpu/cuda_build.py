@@ -13,7 +13,6 @@ kernel the ones its source reads (names_used) plus its planner's (planned_define
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import site
 import struct
@@ -138,18 +137,30 @@ def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict 
     src = module_source(name)
     cubin, log = _nvrtc_cubin(name, src, opts, name_expressions)
     if "Compiling entry" not in log:
-        # NVRTC 12.9+ caches programs: a repeated compile (seen on the H200's NVRTC 13.0, in one
-        # process) returns the CUBIN with an empty log, so ptxas's -v report is gone. A comment
-        # after the last line (no instruction changes) makes it a new program, compiled afresh.
-        cubin, log = _nvrtc_cubin(name, src + f"\n// nq: compiled afresh for ptxas's report ({os.getpid()}, "
-                                  f"{next(_FRESH)})\n", opts, name_expressions)
+        # Seen on the H200 with NVRTC 13.0: the first compile of a program in a process logs
+        # ptxas's -v report; a repeat of it in the same process (even with a comment added)
+        # returns the same CUBIN and an empty log. A new process compiles it afresh.
+        log = _log_from_a_new_process(name, src, opts, name_expressions)
         if "Compiling entry" not in log:
             raise RuntimeError(f"kernels/{name}.cu: NVRTC compiled it but returned no ptxas report "
-                               f"(-Xptxas=-v), even for a fresh program; its log: {log[:400]!r}")
+                               f"(-Xptxas=-v), even in a new process; its log: {log[:400]!r}")
     return cubin, log
 
 
-_FRESH = itertools.count()
+def _log_from_a_new_process(name: str, src: str, opts: tuple, name_expressions: tuple) -> str:
+    """The NVRTC log of the same program compiled in a child Python process."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from nanoqwen_lib.gpu.cuda_build import _nvrtc_cubin; "
+            "a = json.load(sys.stdin); sys.stdout.write(_nvrtc_cubin(a[0], a[1], tuple(a[2]), tuple(a[3]))[1])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(KERNEL_DIR.parent), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", code], input=json.dumps([name, src, list(opts), list(name_expressions)]),
+                       capture_output=True, text=True, env=env, timeout=900)
+    if p.returncode:
+        raise RuntimeError(f"kernels/{name}.cu: the compile in a new process failed:\n{p.stderr[-2000:]}")
+    return p.stdout
 
 
 def _nvrtc_cubin(name: str, src: str, opts: tuple, name_expressions: tuple) -> tuple[bytes, str]:
