@@ -16,6 +16,10 @@ happens between kernels (launch gaps, each kernel's ramp and tail not covered by
   device  python3 tools/llama_cpp_profile.py run --work .peers/work --raw $OUT/llama-profile-raw
           (after llama_cpp_bench.py run --steps convert,quantize on the same machine)
   here    python3 tools/llama_cpp_profile.py summarize RAW_DIR --out book/data/llama-cpp-profile.json
+
+Not yet run on the H200: records.MEASURES gets its entry for llama-cpp-profile.json
+(tools/llama_cpp_bench.py, tools/llama_cpp_profile.py) with the first record, since every
+name there must have its record (tests/test_records.py).
 """
 from __future__ import annotations
 
