@@ -155,9 +155,18 @@ def _log_from_a_new_process(name: str, src: str, opts: tuple, name_expressions: 
 
     code = ("import json, sys; from nanoqwen_lib.gpu.cuda_build import _nvrtc_cubin; "
             "a = json.load(sys.stdin); sys.stdout.write(_nvrtc_cubin(a[0], a[1], tuple(a[2]), tuple(a[3]))[1])")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(KERNEL_DIR.parent), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-c", code], input=json.dumps([name, src, list(opts), list(name_expressions)]),
-                       capture_output=True, text=True, env=env, timeout=900)
+    import site
+    import tempfile
+
+    # The repeat's empty log held in a new process too (H200, NVRTC 13.0), so whatever keeps
+    # the compiled program outlives the process: the child gets a home, caches and temporary
+    # folder of its own, and the driver's JIT cache off (its user site-packages kept).
+    with tempfile.TemporaryDirectory(prefix="nanoqwen-nvrtc-") as home:
+        env = {**os.environ, "HOME": home, "XDG_CACHE_HOME": home, "TMPDIR": home, "CUDA_CACHE_DISABLE": "1",
+               "CUDA_CACHE_PATH": home, "PYTHONUSERBASE": site.getuserbase(),
+               "PYTHONPATH": os.pathsep.join([str(KERNEL_DIR.parent), os.environ.get("PYTHONPATH", "")])}
+        p = subprocess.run([sys.executable, "-c", code], input=json.dumps([name, src, list(opts), list(name_expressions)]),
+                           capture_output=True, text=True, env=env, timeout=900)
     if p.returncode:
         raise RuntimeError(f"kernels/{name}.cu: the compile in a new process failed:\n{p.stderr[-2000:]}")
     return p.stdout

@@ -67,6 +67,7 @@ MEASURES = {   # book/data/<name> -> what it measures
                                    "nanoqwen_lib/gpu/ops_gemv.py", "nanoqwen_lib/gpu/lab/gemv.py",
                                    "nanoqwen_lib/measure/timing.py", "tools/bench_gemv.py"],
     "llama-cpp.json": ["tools/llama_cpp_bench.py"],   # the peer's own code is llama.cpp's, pinned in the record
+    "llama-cpp-profile.json": ["tools/llama_cpp_bench.py", "tools/llama_cpp_profile.py"],   # ncu over llama-bench
 }
 BANNER_PATHS = 6    # changed paths a banner names (Record.changed has them all)
 ABSENT = "absent"   # a measured path that did not exist at the record's commit (migrated records only)
