@@ -74,17 +74,25 @@ def cell_view(cell) -> tuple:
 
 # The pages that are not chapters (plain MyST, no notebook twin, not numbered).
 MATTER = {"index", "preface", "architecture", "design", "glossary", "perflog"}
+NOTEBOOK_PAGES = {"llama-cpp-profile"}   # unnumbered pages that execute (a jupytext pair, like a chapter)
+
+
+def executed_stems() -> list[str]:
+    """Every page that executes: the chapters, then the notebook pages beside them."""
+    return chapter_stems() + sorted(NOTEBOOK_PAGES)
 
 
 def test_chapter_names_are_nn_name():
     for p in BOOK.iterdir():
-        if p.suffix in (".md", ".ipynb") and p.stem not in MATTER:
+        if p.suffix in (".md", ".ipynb") and p.stem not in MATTER | NOTEBOOK_PAGES:
             assert CHAPTER_RE.match(p.stem), f"book/{p.name}: expected NN-name (lowercase, dashes)"
     for page in MATTER:
         assert (BOOK / f"{page}.md").exists() and not (BOOK / f"{page}.ipynb").exists(), f"book/{page}.md"
+    for page in NOTEBOOK_PAGES:
+        assert (BOOK / f"{page}.md").exists() and (BOOK / f"{page}.ipynb").exists(), f"book/{page}: a jupytext pair"
 
 
-@pytest.mark.parametrize("stem", chapter_stems())
+@pytest.mark.parametrize("stem", executed_stems())
 def test_chapter_is_a_jupytext_pair(stem):
     for suffix in (".md", ".ipynb"):
         assert (BOOK / f"{stem}{suffix}").exists(), \
@@ -95,7 +103,7 @@ def test_chapter_is_a_jupytext_pair(stem):
         assert found == PAIRING, f"book/{stem}{where}: jupytext.formats expected {PAIRING!r}, found {found!r}"
 
 
-@pytest.mark.parametrize("stem", chapter_stems())
+@pytest.mark.parametrize("stem", executed_stems())
 def test_chapter_md_and_ipynb_cells_agree(stem):
     md, nb = read_pair(stem)
     a, b = [cell_view(c) for c in md.cells], [cell_view(c) for c in nb.cells]
@@ -120,8 +128,9 @@ def test_toc_lists_exactly_the_chapters_that_exist():
     assert len(files) == len(set(files)), f"_toc.yml: a file listed twice: {files}"
     listed = numbered_chapters()
     matter = [f for f in files[1:] if f not in listed]
-    assert sorted(Path(f).name for f in matter) == sorted(MATTER - {"index"}), \
-        f"_toc.yml: front and back matter expected {sorted(MATTER - {'index'})}, found {matter}"
+    want = sorted((MATTER | NOTEBOOK_PAGES) - {"index"})
+    assert sorted(Path(f).name for f in matter) == want, \
+        f"_toc.yml: front and back matter expected {want}, found {matter}"
     for f in listed:
         assert (ROOT / f"{f}.ipynb").exists(), f"_toc.yml: {f}: expected {f}.ipynb, found no such file"
     assert sorted(Path(f).name for f in listed) == chapter_stems(), \
@@ -160,7 +169,7 @@ def test_config_renders_committed_outputs_and_excludes_md_twins():
     assert cfg["execute"]["execute_notebooks"] == "off", "_config.yml: execute.execute_notebooks"
     assert cfg["only_build_toc_files"] is True, "_config.yml: only_build_toc_files"
     excluded = Matcher(cfg["exclude_patterns"])
-    for stem in chapter_stems():
+    for stem in executed_stems():
         assert excluded(f"book/{stem}.md"), f"_config.yml: exclude_patterns must exclude book/{stem}.md"
         assert not excluded(f"book/{stem}.ipynb"), f"_config.yml: exclude_patterns excludes book/{stem}.ipynb"
     assert not excluded("book/index.md"), "_config.yml: exclude_patterns excludes book/index.md"
@@ -218,7 +227,7 @@ def test_chapters_show_library_code():
 
 # ----------------------------------------------------------------------------- goldens
 
-@pytest.mark.parametrize("stem", chapter_stems())
+@pytest.mark.parametrize("stem", executed_stems())
 def test_golden_is_one_clean_run(stem):
     """The committed outputs come from one top-to-bottom execution; errors only where tagged."""
     nb = nbformat.read(BOOK / f"{stem}.ipynb", as_version=4)
@@ -335,7 +344,7 @@ def chapter_outputs_text(nb) -> str:
     return "\n".join(text)
 
 
-@pytest.mark.parametrize("stem", chapter_stems())
+@pytest.mark.parametrize("stem", executed_stems())
 def test_glued_numbers_have_their_cell(stem):
     """Every {glue:text}`key` of the prose is glued by a code cell of its chapter, and the
     committed outputs carry it (after the chapter's last execution)."""
@@ -510,7 +519,7 @@ PROSE_ALLOWED = {
 }
 
 
-@pytest.mark.parametrize("stem", chapter_stems())
+@pytest.mark.parametrize("stem", executed_stems())
 def test_prose_numbers_come_from_outputs_or_their_source(stem):
     """A number with a unit in the prose (ms, us, GB, GB/s, TB/s, TFLOP/s, %, x, SMs, KiB,
     MiB, tokens) is printed by a cell of its chapter or held by a source its paragraph names

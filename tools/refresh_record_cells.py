@@ -6,7 +6,7 @@ checks both), so its output depends on the record, not on the cells before it or
 machine: a CPU can refresh it. The other cells' outputs and every execution count stay as
 they are.
 
-    python tools/refresh_record_cells.py [book/NN-chapter.ipynb ...]   # default: every chapter
+    python tools/refresh_record_cells.py [book/NN-chapter.ipynb ...]   # default: every notebook of the book
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("notebooks", nargs="*", type=Path)
     a = ap.parse_args(argv)
-    paths = a.notebooks or sorted(BOOK.glob("[0-9][0-9]-*.ipynb"))
+    paths = a.notebooks or sorted(BOOK.glob("*.ipynb"))   # the chapters and the pages beside them
     n = sum(refresh(p.resolve()) for p in paths)
     print(f"{n} record-backed cells refreshed")
     return 0
