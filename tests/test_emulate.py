@@ -105,6 +105,19 @@ def test_direction_limit_allows_an_error_shared_by_every_output(rng):
     assert 0.15 < b["direction"] < em.DIRECTION_LIMIT and abs(b["magnitude"]) < em.BIAS_LIMIT
 
 
+def test_few_outputs_close_together_promise_no_precision(rng):
+    """Seven outputs that happen to sit a quarter ulp low, close together: their own spread
+    would make a limit of 0.18 ulp; the noise never falls below round-to-nearest's own spread,
+    so seven outputs are too few to tell (both checks skipped, said so), while 400 outputs
+    rounded toward zero still fail."""
+    ref = rng.standard_normal(7) * 3.0
+    b = em.check_rounding_bias("seven", ref - (0.26 + 0.02 * rng.standard_normal(7)) * em.ulp16(ref) * np.sign(ref), ref)
+    assert b["noise"] >= em.RN_SPREAD / np.sqrt(7) and b["limit"] is None and b["direction_limit"] is None
+    ref = rng.standard_normal(400) * 3.0
+    with pytest.raises(AssertionError, match="rounding bias"):
+        em.check_rounding_bias("RZ, 400", em.rz16(ref), ref)
+
+
 def test_bias_statistic_of_the_fold_unpack(rng):
     """NQ_GEMV_FOLD: the tensor core sums (1032 + s) x and (72 + s) x, then the fold is
     subtracted in FP32: larger partial sums, truncated, but no bias toward the magnitude."""
