@@ -158,9 +158,10 @@ def _log_from_a_new_process(name: str, src: str, opts: tuple, name_expressions: 
     import site
     import tempfile
 
-    # The repeat's empty log held in a new process too (H200, NVRTC 13.0), so whatever keeps
-    # the compiled program outlives the process: the child gets a home, caches and temporary
-    # folder of its own, and the driver's JIT cache off (its user site-packages kept).
+    # The repeat's empty log held in a new process too (H200, NVRTC 13.0): the compiled
+    # program outlives the process, and the files a compile wrote there were the CUDA JIT cache
+    # (~/.nv/ComputeCache). The child gets that cache off, and a home, caches and temporary
+    # folder of its own (its user site-packages kept); so it logged every time on the H200.
     with tempfile.TemporaryDirectory(prefix="nanoqwen-nvrtc-") as home:
         env = {**os.environ, "HOME": home, "XDG_CACHE_HOME": home, "TMPDIR": home, "CUDA_CACHE_DISABLE": "1",
                "CUDA_CACHE_PATH": home, "PYTHONUSERBASE": site.getuserbase(),
