@@ -121,10 +121,15 @@ def module_source(name: str) -> str:
 def planned_defines(name: str, dims: ModelDims | None) -> dict:
     """The constants of kernels/<name>.cu that a planner computes for this machine rather than
     nanoqwen.yaml fixes: the persistent step's split of each GEMV (gpu.persistent, for
-    hardware().sms CTAs). Only that kernel gets them; an extra define overrides them."""
+    hardware().sms CTAs); and the lab's RS-form GEMM its launcher's build (gpu.lab.prefill_rs,
+    RS_BUILD: the launcher sizes its grid and shared memory from the same dict). Only that
+    kernel gets them; an extra define overrides them."""
     if name == "decode_persistent" and dims is not None:
         from nanoqwen_lib.gpu.persistent import persistent_plan
         return persistent_plan(dims)
+    if name == "lab/prefill_rs":
+        from nanoqwen_lib.gpu.lab.prefill_rs import RS_BUILD
+        return dict(RS_BUILD)
     return {}
 
 

@@ -1,0 +1,186 @@
+// lab/prefill_rs.cu: the INT4 prefill GEMM in wgmma's RS form (lab, issue 29: not yet run on a GPU).
+// nq-arch: sm_90a
+//   nq_prefill_rs   Y[T,N] = fp16(X W^T [+ bias] [+ residual]); X fp16 [T, K], W INT4 in the RS
+//                   order below, scales fp16 [N, K/128]; FP32 accumulation, one rounding at the end
+//
+// The producer form (prefill_wgmma.cu) dequantizes every weight tile into shared memory before the
+// tensor cores read it, and its producers run out of issue slots (PERFLOG: 93% of the MMA cycles
+// at bn 128). Here the weight is wgmma's A operand *from registers* and X its B operand: the CTA
+// computes C^T = W X^T, 64 features a consumer warpgroup (wgmma M) by BM tokens (wgmma N). Each
+// consumer thread loads its own packed words from global memory (one 16-byte load a k-tile, PF
+// k-tiles ahead in registers), converts them in registers into A fragments with the magic-number
+// dequantization of prefill_gemm.cu (w16 = fp16(code * scale): the same contract, the same
+// bits for W), and issues the wgmma. No shared-memory round trip for W; the producer warpgroup's
+// one thread only moves X by TMA into a ring of NQ_RS_STAGES stages on mbarriers (`full`: its
+// arrive.expect_tx; `empty`: one arrival per consumer warp once the wgmma group that read the
+// stage is done).
+//
+// The RS order (nanoqwen_lib/gpu/lab/prefill_rs.py: rs_order, from the ValueShuffle words):
+// uint4 index ((n64 * KT + kt) * 4 + w) * 32 + l for feature block n64 (64 rows), k-tile kt (64 k),
+// warp w of the consumer warpgroup, lane l (g = l/4, t = l%4). Its word s (k16 step s of the k-tile)
+// is the ValueShuffle word of the 8 codes (row, k), c = 64 kt + 16 s + 2t, r = 64 n64 + 16 w + g:
+//   (r, c), (r, c+1), (r+8, c), (r+8, c+1), (r, c+8), (r, c+9), (r+8, c+8), (r+8, c+9)
+// so that its four converted half2 are a[0..3] of wgmma_rs_ops.cuh's fragment, in order. A warp
+// reads 512 contiguous bytes a k-tile. Rows past N hold code 0 (their outputs are not stored).
+#include "hopper.cuh"
+#include "lab/wgmma_rs_ops.cuh"
+
+// Build options (nanoqwen_lib/gpu/lab/prefill_rs.py: RS_BUILD, the launcher passes them as -D):
+//   NQ_RS_BM tokens per CTA (the wgmma N: 64, 128), NQ_RS_CWG consumer warpgroups (64 features each),
+//   NQ_RS_STAGES the X ring's depth, NQ_RS_PF k-tiles of W in registers ahead of use (the k loop is
+//   unrolled by it), NQ_RS_OVERLAP 1: convert k-tile kt+1 while kt's wgmmas run in the same
+//   warpgroup (ptxas then serializes the wgmmas, C7513), 0: each warpgroup waits for its own
+//   group, and the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
+#if !defined(NQ_RS_BM) || !defined(NQ_RS_CWG) || !defined(NQ_RS_STAGES) || !defined(NQ_RS_PF) || !defined(NQ_RS_OVERLAP)
+#error "NQ_RS_*: set by nanoqwen_lib/gpu/lab/prefill_rs.py (RS_BUILD)"
+#endif
+
+namespace rs {
+constexpr int BM = NQ_RS_BM, CWG = NQ_RS_CWG, STAGES = NQ_RS_STAGES, PF = NQ_RS_PF;
+constexpr int BK = 64;                          // k per stage and k-tile (128 bytes of fp16 X)
+constexpr int BNF = 64 * CWG;                   // features per CTA
+constexpr int THREADS = 128 * (1 + CWG);
+constexpr int STAGE_BYTES = BM * 2 * BK;        // X tile: BM rows of 128 bytes, 128B swizzle
+static_assert(BM == 64 || BM == 128, "BM: a wgmma N with an RS wrapper (64, 128)");
+static_assert(CWG >= 1 && CWG <= 3, "1..3 consumer warpgroups");
+static_assert(PF == 2 || PF == 4, "PF: 2 or 4 (the k loop is unrolled by it; fragments alternate)");
+static_assert(STAGES >= 2 && STAGES <= 8 && STAGE_BYTES % 1024 == 0, "2..8 stages, 1024-aligned");
+constexpr uint32_t kMagicLo = 0x64086408u, kMagicHi = 0x54805480u;   // prefill_gemm.cu's
+
+struct Problem {
+  const half* x;             // [T, K]
+  const uint4* w;            // RS order, [ceil(N/64)][K/64][4][32] uint4
+  const half* scales;        // [N, K/128]
+  const half* bias;          // [N] or null
+  const half* residual;      // [T, N] or null (may alias y)
+  half* y;                   // [T, N]
+  int T, N, K;
+  const hopper::TensorMap* xmap;   // X: boxes of BM rows x 64 halves, 128B swizzle
+};
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// B = X's stage (BM token rows x 128 bytes of k), written by TMA with the 128B swizzle; k16 step s
+// at +32 s (prefill_wgmma.cu's desc_sw128).
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
+  return (uint64_t)((saddr >> 4) & 0x3FFF) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+// One RS word -> a[0..3]: (nibbles 0, 4) row r, (1, 5) row r+8, (2, 6) row r, (3, 7) row r+8;
+// s_r, s_r8: the two rows' scales as half2 pairs.
+__device__ __forceinline__ void convert(uint32_t (&a)[4], uint32_t w, uint32_t s_r, uint32_t s_r8) {
+  const uint32_t w_hi = nqptx::prmt(w, 0u, 0x3311u);
+  a[0] = hmul2(nqptx::hsub2((w & 0x000F000Fu) ^ kMagicLo, kMagicLo), s_r);
+  a[1] = hmul2(nqptx::hsub2((w & 0x00F000F0u) ^ kMagicHi, kMagicHi), s_r8);
+  a[2] = hmul2(nqptx::hsub2((w_hi & 0x000F000Fu) ^ kMagicLo, kMagicLo), s_r);
+  a[3] = hmul2(nqptx::hsub2((w_hi & 0x00F000F0u) ^ kMagicHi, kMagicHi), s_r8);
+}
+
+__device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
+                                         int m0, int KT) {
+  if (threadIdx.x != 0) return;
+  hopper::prefetch_tensor_map(p.xmap);
+  hopper::MbarRing<STAGES> ring;
+  for (int kt = 0; kt < KT; ++kt) {
+    hopper::mbar_wait(&empty[ring.stage], ring.phase ^ 1u);
+    hopper::mbar_arrive_expect_tx(&full[ring.stage], STAGE_BYTES);
+    hopper::tensor_copy_2d_g2s(smem + ring.stage * STAGE_BYTES, p.xmap, kt * BK, m0, &full[ring.stage]);
+    ring.advance();
+  }
+}
+
+// One consumer warpgroup cw: features n0 + 64 cw .. + 63, every token of the tile.
+__device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
+                                         int m0, int n0, int cw, int KT) {
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int r0 = n0 + 64 * cw + 16 * warp + g;            // rows r0 and r0 + 8 of W
+  const int G = p.K / NQ_GROUP_SIZE;
+  const unsigned short* s0 = reinterpret_cast<const unsigned short*>(p.scales) + (size_t)min(r0, p.N - 1) * G;
+  const unsigned short* s8 = reinterpret_cast<const unsigned short*>(p.scales) + (size_t)min(r0 + 8, p.N - 1) * G;
+  const uint4* wp = p.w + ((size_t)((n0 / 64 + cw) * KT) * 4 + warp) * 32 + lane;   // + 128 kt
+  const uint32_t base = hopper::smem_u32(smem);
+  const bool leader = lane == 0;
+  float acc[BM / 2];
+#pragma unroll
+  for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
+  uint4 wv[PF];
+#pragma unroll
+  for (int d = 0; d < PF; ++d) wv[d] = d < KT ? __ldg(wp + (size_t)128 * d) : make_uint4(0u, 0u, 0u, 0u);
+  uint32_t frag[2][4][4];                   // two k-tiles' fragments: one converted while the other's wgmmas run
+  hopper::MbarRing<STAGES> ring;
+  int prev = -1;
+  for (int kb = 0; kb < KT; kb += PF) {
+#pragma unroll
+    for (int d = 0; d < PF; ++d) {
+      const int kt = kb + d;
+      if (kt >= KT) break;
+      // the scales of kt's group (two k-tiles a group of 128), as half2 pairs
+      const uint32_t sr = (uint32_t)__ldg(s0 + (kt * BK) / NQ_GROUP_SIZE) * 0x10001u;
+      const uint32_t sr8 = (uint32_t)__ldg(s8 + (kt * BK) / NQ_GROUP_SIZE) * 0x10001u;
+      uint32_t (&a)[4][4] = frag[d & 1];   // group kt - 2's registers: free since the wait below
+      convert(a[0], wv[d].x, sr, sr8);
+      convert(a[1], wv[d].y, sr, sr8);
+      convert(a[2], wv[d].z, sr, sr8);
+      convert(a[3], wv[d].w, sr, sr8);
+      if (kt + PF < KT) wv[d] = __ldg(wp + (size_t)128 * (kt + PF));
+      hopper::mbar_wait(&full[ring.stage], ring.phase);
+      const uint32_t b = base + ring.stage * STAGE_BYTES;
+      hopper::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::wgmma_f16_rs<BM>(acc, a[s], desc_sw128(b + 32 * s), 1);
+      hopper::wgmma_commit();
+#if NQ_RS_OVERLAP
+      hopper::wgmma_wait<1>();   // kt - 1's group is done: its stage and its fragments are free
+      if (prev >= 0 && leader) hopper::mbar_arrive(&empty[prev]);
+      prev = ring.stage;
+#else
+      hopper::wgmma_wait<0>();   // kt's group is done: its stage is free
+      if (leader) hopper::mbar_arrive(&empty[ring.stage]);
+#endif
+      ring.advance();
+    }
+  }
+  hopper::wgmma_wait<0>();
+  // acc[4j + r]: feature row 16 warp + g + 8 (r / 2) of this warpgroup's 64, token 8j + 2t + r % 2
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int f = r0 + 8 * (r >> 1), tok = m0 + 8 * j + 2 * t + (r & 1);
+      if (f < p.N && tok < p.T) {
+        float v = acc[4 * j + r];
+        if (p.bias) v += __half2float(p.bias[f]);
+        const size_t o = (size_t)tok * p.N + f;
+        if (p.residual) v += __half2float(p.residual[o]);
+        p.y[o] = __float2half_rn(v);
+      }
+    }
+  }
+}
+}  // namespace rs
+
+// Grid (ceil(N / (64 NQ_RS_CWG)), ceil(T / NQ_RS_BM)); block rs::THREADS; dynamic shared memory
+// NQ_RS_STAGES * BM * 128 + 1024 (alignment) + the barriers. K % 128 == 0.
+extern "C" __global__ void __launch_bounds__(rs::THREADS, 1)
+nq_prefill_rs(const half* x, const uint4* w, const half* scales, const half* bias, const half* residual, half* y,
+              int T, int N, int K, const hopper::TensorMap* xmap) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (hopper::smem_u32(smem_raw) & 1023u)) & 1023u);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + rs::STAGES * rs::STAGE_BYTES);
+  uint64_t* empty = full + rs::STAGES;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < rs::STAGES; ++s) {
+      hopper::mbar_init(&full[s], 1);              // the TMA thread's expect_tx
+      hopper::mbar_init(&empty[s], 4 * rs::CWG);   // one arrival per consumer warp
+    }
+    hopper::fence_mbarrier_init();
+  }
+  __syncthreads();
+  const rs::Problem p{x, w, scales, bias, residual, y, T, N, K, xmap};
+  const int n0 = blockIdx.x * rs::BNF, m0 = blockIdx.y * rs::BM, KT = K / rs::BK;
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) rs::producer(p, smem, full, empty, m0, KT);
+  else rs::consumer(p, smem, full, empty, m0, n0, wg - 1, KT);
+}

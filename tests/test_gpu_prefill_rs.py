@@ -1,0 +1,55 @@
+"""The lab's RS-form INT4 GEMM (kernels/lab/prefill_rs.cu) against float64 (needs a Hopper GPU).
+
+test_gpu_prefill_wgmma.py's INT4 bound and reference (one fp16 ulp of the float64 x . w16
+result, w16 = fp16(code * scale), plus (K/16 + 8) 2^-24 sum |x w| for the FP32 sums), fresh
+random inputs, outputs poisoned with NaN, every element checked; T from one token to 2048,
+the 7B's shapes, tails in N and T, bias and an in-place residual, both builds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+
+from nanoqwen_lib.gpu import cuda_build  # noqa: E402
+
+if not cuda_build.have_gpu():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from nanoqwen_lib.gpu.lab import prefill_rs  # noqa: E402
+from .test_gpu_prefill_wgmma import check_int4, int4_ref, rand16, rand_int4  # noqa: E402
+
+
+def run_rs(rng, t, n, k, *, bias, residual, **build):
+    words, scales = rand_int4(rng, n, k)
+    w_rs = cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
+    x = rand16(rng, (t, k))
+    ref, absdot = int4_ref(x, words, scales)
+    b = rand16(rng, (n,)) if bias else None
+    res = rand16(rng, (t, n)) if residual else None
+    out = cp.empty((t, n), cp.float16)
+    out.fill(np.nan)
+    if residual:                     # in place: out holds the residual
+        out[...] = res
+    prefill_rs.gemm_int4_rs(x, w_rs, scales, out, bias=b, residual=out if residual else None, **build)
+    cp.cuda.Device().synchronize()
+    return check_int4(f"rs T={t} N={n} K={k} {build}", out, ref, absdot, k, bias=b, residual=res)
+
+
+@pytest.mark.parametrize("t", [1, 17, 64, 100, 512, 2048])
+@pytest.mark.parametrize("n, k", [(4608, 3584), (3584, 3584), (3584, 18944), (37888, 3584)])
+def test_rs_gemm_7b_shapes(rng, t, n, k):
+    run_rs(rng, t, n, k, bias=n == 4608, residual=n == 3584)
+
+
+@pytest.mark.parametrize("n, k", [(8, 128), (72, 256), (200, 384), (1000, 1152)])
+@pytest.mark.parametrize("t", [1, 130])
+def test_rs_gemm_odd_shapes(rng, t, n, k):
+    run_rs(rng, t, n, k, bias=True, residual=True)
+
+
+@pytest.mark.parametrize("build", [{"NQ_RS_OVERLAP": 1}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1, "NQ_RS_PF": 2},
+                                   {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}])
+def test_rs_gemm_builds(rng, build):
+    run_rs(rng, 512, 3584, 3584, bias=False, residual=True, **build)

@@ -1,0 +1,70 @@
+"""The lab's RS-form INT4 GEMM (kernels/lab/prefill_rs.cu) on the CPU: its weight order puts
+every code where wgmma's register A fragment wants it, and its build is the RS form (HGMMA with
+a register A operand, no shared-memory store of the weights, no spill, no serialized wgmma).
+Its results against float64: tests/test_gpu_prefill_rs.py (needs a Hopper GPU)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from nanoqwen_lib.errors import NanoqwenError
+from nanoqwen_lib.format import quant
+from nanoqwen_lib.gpu import cuda_build
+from nanoqwen_lib.gpu.lab import prefill_rs
+
+
+@pytest.mark.parametrize("n, k", [(64, 128), (200, 256)])
+def test_rs_order_puts_every_code_in_its_fragment(rng, n, k):
+    """wgmma's A fragment (PTX ISA, register fragment of m64nNk16 .f16; wgmma_rs_ops.cuh):
+    thread (warp w, lane 4g + t) holds in a[0], a[1], a[2], a[3] the (row, k) pairs
+    (16w+g, 2t..), (16w+g+8, 2t..), (16w+g, 2t+8..), (16w+g+8, 2t+8..) of each k16 step;
+    decoded as the kernel reads it, the RS order must give W's code at each, zeros past N."""
+    codes = rng.integers(-8, 8, size=(n, k), dtype=np.int8)
+    rs = prefill_rs.rs_order(quant.pack_int4_value_shuffle(codes))
+    assert rs.shape == (-(-n // 64), k // 64, 4, 32, 4) and rs.dtype == np.uint32
+    got = prefill_rs.rs_fragment_codes(rs)
+    rows = -(-n // 64) * 64
+    assert len(got) == rows * k                                # every (row, col) exactly once
+    for w in range(4):                                         # the fragment map, written out
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for pair, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                for half in (0, 1):                            # the lower k in the lower half
+                    for s in range(k // 16):
+                        row, col = 16 * w + g + dr, 16 * s + 2 * t + dc + half
+                        want = codes[row, col] if row < n else 0
+                        assert got[(row, col)] == want, (w, lane, pair, half, s)
+    full = np.array([[got[(r, c)] for c in range(k)] for r in range(rows)])
+    assert (full[:n] == codes).all() and (full[n:] == 0).all()
+
+
+def test_rs_order_refuses_what_it_cannot_lay_out():
+    with pytest.raises(NanoqwenError, match="multiple of 128"):
+        prefill_rs.rs_order(np.zeros((64, 8), np.uint32))     # K = 64
+    with pytest.raises(NanoqwenError, match="uint32"):
+        prefill_rs.rs_order(np.zeros((64, 16), np.int32))
+
+
+BUILDS = [{}, {"NQ_RS_OVERLAP": 1}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1, "NQ_RS_PF": 2},
+          {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}]             # the default and tests/test_gpu_prefill_rs.py's
+
+
+@pytest.mark.parametrize("change", BUILDS, ids=lambda b: ",".join(f"{k[6:]}={v}" for k, v in b.items()) or "default")
+def test_rs_build_is_the_register_form(change):
+    build = {**prefill_rs.RS_BUILD, **change}
+    overlap = build["NQ_RS_OVERLAP"]
+    _, log = cuda_build.compile_cubin("lab/prefill_rs", None, build)
+    report = " ".join(cuda_build.resource_report(log))
+    assert "0 bytes spill stores" in report, report
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert regs <= 65536 // (128 * (1 + build["NQ_RS_CWG"])), report
+    # the default waits for each group before converting the next k-tile: no serialization;
+    # overlapping in one warpgroup is what ptxas serializes (C7513), kept to show it
+    assert ("C7513" in log) == bool(overlap), log
+    text = cuda_build.sass("lab/prefill_rs", None, build)
+    hgmma = [l for l in text.splitlines() if "HGMMA" in l]
+    form = re.compile(rf"HGMMA\.64x{build['NQ_RS_BM']}x16\.F32 R\d+, R\d+, gdesc\[")
+    assert hgmma and all(form.search(l) for l in hgmma), hgmma[:3]
+    assert not re.search(r"\bSTS(\.|\s)", text), "a shared-memory store: the weights must stay in registers"
