@@ -195,6 +195,12 @@ PY
       timeout ${LLAMA_TIMEOUT:-560} python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
         --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps quantize,bench,check --drop-f16 \
         --out .peers/llama-cpp.json 2>&1 | tail -8; cp .peers/llama-cpp.json $OUT/ ;;
+    rs-gemm)
+      # the lab's RS-form INT4 GEMM (issue 29): its GPU tests, then timed beside the wgmma plan and cuBLAS
+      t0=$(date +%s)
+      timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_prefill_rs.py 2>&1 | tee $OUT/rs-gemm-tests.log | tail -6
+      timeout 200 python3 tools/bench_prefill_rs.py --json $OUT/bench-prefill-rs.json 2>&1 | tee $OUT/bench-prefill-rs.log | tail -8
+      echo "rs-gemm: $(( $(date +%s) - t0 )) s" ;;
     bench-prefill) timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_prefill.py --json $OUT/bench-prefill.json 2>&1 | tee $OUT/bench-prefill.log | tail -30 ;;
     book)
       for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done

@@ -1,0 +1,82 @@
+"""The lab's RS-form INT4 GEMM (kernels/lab/prefill_rs.cu) timed against the engine's wgmma
+plan (prefill_wgmma.cu) and cuBLAS FP16 on the 7B's four shapes, in one process (needs a GPU).
+
+    python3 tools/bench_prefill_rs.py [--tokens 512] [--reps 20] [--json OUT]
+
+Each shape: its GEMM checked once against the engine's wgmma output (the same w16 = fp16(code *
+scale) contract; the two sum in other orders, so within a few fp16 ulps, not bit-equal), then
+each build timed with CUDA events, median of --reps after warm-up; TFLOP/s = 2 T N K / time.
+The builds: the default (RS_BUILD) and the variants tests/test_gpu_prefill_rs.py checks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_prefill import median_us  # noqa: E402
+from nanoqwen_lib import config  # noqa: E402
+from nanoqwen_lib.format.layout import decode_gemv_shapes  # noqa: E402
+
+BUILDS = {"rs": {}, "rs overlap": {"NQ_RS_OVERLAP": 1}, "rs bm64": {"NQ_RS_BM": 64},
+          "rs 3 consumers": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}}
+
+
+def main() -> None:
+    import cupy as cp
+
+    from nanoqwen_lib.gpu import ops_prefill
+    from nanoqwen_lib.gpu.lab import prefill_rs
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    t = a.tokens
+    shapes = decode_gemv_shapes(config.load().model("7b"))
+    rows, out_json = [], {"tokens": t, "reps": a.reps, "shapes": {}}
+    print(f"T = {t}, median us (TFLOP/s) of {a.reps}")
+    for name, (n, k) in shapes.items():
+        if name == "lm_head":
+            continue
+        words = cp.asarray(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
+        scales = cp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16))
+        w_rs = cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
+        x = cp.asarray(rng.standard_normal((t, k)).astype(np.float16))
+        ref, out = cp.empty((t, n), cp.float16), cp.empty((t, n), cp.float16)
+        ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma")
+        flop = 2.0 * t * n * k
+        res = {"n": n, "k": k}
+        us = median_us(lambda: ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma"), 5, a.reps)
+        res["wgmma plan"] = us
+        w16 = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
+        res["cublas fp16"] = median_us(lambda: cp.matmul(x, w16.T, out=out), 5, a.reps)
+        for b, change in BUILDS.items():
+            out.fill(np.nan)
+            prefill_rs.gemm_int4_rs(x, w_rs, scales, out, **change)
+            d = cp.abs(out.astype(cp.float32) - ref.astype(cp.float32))
+            tol = 4 * cp.maximum(cp.abs(ref.astype(cp.float32)) * 2.0**-10, 2.0**-14)
+            bad = int(cp.count_nonzero(~(d <= tol)))
+            res[b] = median_us(lambda: prefill_rs.gemm_int4_rs(x, w_rs, scales, out, **change), 5, a.reps)
+            res[b + " mismatches"] = bad
+        out_json["shapes"][name] = res
+        line = f"{name:<8} N {n:>6} K {k:>6}: " + ", ".join(
+            f"{key} {res[key]:.1f} ({flop / res[key] / 1e6:.0f})" + (f" [{res[key + ' mismatches']} off]"
+                                                                   if key + " mismatches" in res else "")
+            for key in ("cublas fp16", "wgmma plan", *BUILDS))
+        print(line, flush=True)
+        rows.append(line)
+    if a.json:
+        a.json.write_text(json.dumps(out_json, indent=1))
+
+
+if __name__ == "__main__":
+    main()
