@@ -68,3 +68,13 @@ def test_rs_build_is_the_register_form(change):
     form = re.compile(rf"HGMMA\.64x{build['NQ_RS_BM']}x16\.F32 R\d+, R\d+, gdesc\[")
     assert hgmma and all(form.search(l) for l in hgmma), hgmma[:3]
     assert not re.search(r"\bSTS(\.|\s)", text), "a shared-memory store: the weights must stay in registers"
+
+
+def test_the_build_has_one_source():
+    """The kernel's nq-build line is what the launcher reads and what compile_options passes."""
+    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP"}
+    opts = cuda_build.compile_options(None, cuda_build.planned_defines("lab/prefill_rs", None), include_cuda=False,
+                                      name="lab/prefill_rs")
+    for k, v in prefill_rs.RS_BUILD.items():
+        assert f"-D{k}={v}" in opts
+    assert cuda_build.kernel_build("prefill_gemm") == {}

@@ -25,14 +25,16 @@
 #include "hopper.cuh"
 #include "lab/wgmma_rs_ops.cuh"
 
-// Build options (nanoqwen_lib/gpu/lab/prefill_rs.py: RS_BUILD, the launcher passes them as -D):
+// nq-build: NQ_RS_BM=128 NQ_RS_CWG=2 NQ_RS_STAGES=4 NQ_RS_PF=4 NQ_RS_OVERLAP=0
+// The build above reaches this file as -D (cuda_build.kernel_build); the launcher reads the same
+// line (nanoqwen_lib/gpu/lab/prefill_rs.py: RS_BUILD) and may override each name:
 //   NQ_RS_BM tokens per CTA (the wgmma N: 64, 128), NQ_RS_CWG consumer warpgroups (64 features each),
 //   NQ_RS_STAGES the X ring's depth, NQ_RS_PF k-tiles of W in registers ahead of use (the k loop is
 //   unrolled by it), NQ_RS_OVERLAP 1: convert k-tile kt+1 while kt's wgmmas run in the same
 //   warpgroup (ptxas then serializes the wgmmas, C7513), 0: each warpgroup waits for its own
 //   group, and the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
 #if !defined(NQ_RS_BM) || !defined(NQ_RS_CWG) || !defined(NQ_RS_STAGES) || !defined(NQ_RS_PF) || !defined(NQ_RS_OVERLAP)
-#error "NQ_RS_*: set by nanoqwen_lib/gpu/lab/prefill_rs.py (RS_BUILD)"
+#error "NQ_RS_*: the nq-build line above, through nanoqwen_lib.gpu.cuda_build"
 #endif
 
 namespace rs {

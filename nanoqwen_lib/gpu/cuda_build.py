@@ -121,15 +121,31 @@ def module_source(name: str) -> str:
 def planned_defines(name: str, dims: ModelDims | None) -> dict:
     """The constants of kernels/<name>.cu that a planner computes for this machine rather than
     nanoqwen.yaml fixes: the persistent step's split of each GEMV (gpu.persistent, for
-    hardware().sms CTAs); and the lab's RS-form GEMM its launcher's build (gpu.lab.prefill_rs,
-    RS_BUILD: the launcher sizes its grid and shared memory from the same dict). Only that
-    kernel gets them; an extra define overrides them."""
+    hardware().sms CTAs); and a lab kernel's build from its `// nq-build:` line (kernel_build).
+    Only that kernel gets them; an extra define overrides them."""
     if name == "decode_persistent" and dims is not None:
         from nanoqwen_lib.gpu.persistent import persistent_plan
         return persistent_plan(dims)
-    if name == "lab/prefill_rs":
-        from nanoqwen_lib.gpu.lab.prefill_rs import RS_BUILD
-        return dict(RS_BUILD)
+    return kernel_build(name)
+
+
+def kernel_build(name: str) -> dict:
+    """The build a lab kernel names on its `// nq-build: NAME=INT ...` line (in its first 60
+    lines; {} if none): for an experiment whose knobs nanoqwen.yaml does not hold. The kernel
+    gets them as -D, its launcher reads the same line (one source). No such file: {} (its
+    compile says so)."""
+    if not (KERNEL_DIR / f"{name}.cu").exists():
+        return {}
+    for line in kernel_source(name).splitlines()[:60]:
+        stripped = line.strip()
+        if stripped.startswith("// nq-build:"):
+            out = {}
+            for item in stripped.split(":", 1)[1].split():
+                key, _, value = item.partition("=")
+                if not key.startswith("NQ_") or not value.lstrip("-").isdigit():
+                    raise ValueError(f"kernels/{name}.cu: nq-build: expected NQ_NAME=integer items, found {item!r}")
+                out[key] = int(value)
+            return out
     return {}
 
 

@@ -22,8 +22,8 @@ from nanoqwen_lib.format import quant
 from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.gpu.launch_checks import device_ptr
 
-# The build the launcher passes as -D (kernels/lab/prefill_rs.cu says what each one is).
-RS_BUILD = {"NQ_RS_BM": 128, "NQ_RS_CWG": 2, "NQ_RS_STAGES": 4, "NQ_RS_PF": 4, "NQ_RS_OVERLAP": 0}
+# The kernel's build, from its nq-build line (kernels/lab/prefill_rs.cu says what each name is).
+RS_BUILD = cuda_build.kernel_build("lab/prefill_rs")
 RS_K_ALIGN = 128          # K: whole scale groups (and k-tiles of 64)
 ROWS = 64                 # weight rows a consumer warpgroup takes (wgmma M)
 
