@@ -21,9 +21,20 @@ from nanoqwen_lib.gpu.lab import prefill_rs  # noqa: E402
 from .test_gpu_prefill_wgmma import check_int4, int4_ref, rand16, rand_int4  # noqa: E402
 
 
+_WEIGHTS = {}
+
+
+def weights(rng, n, k):
+    """Random packed weights for a shape, reordered once per session (the reorder of the 7B's
+    gate_up takes seconds on the host); every case draws a fresh X."""
+    if (n, k) not in _WEIGHTS:
+        words, scales = rand_int4(rng, n, k)
+        _WEIGHTS[(n, k)] = words, scales, cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
+    return _WEIGHTS[(n, k)]
+
+
 def run_rs(rng, t, n, k, *, bias, residual, **build):
-    words, scales = rand_int4(rng, n, k)
-    w_rs = cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
+    words, scales, w_rs = weights(rng, n, k)
     x = rand16(rng, (t, k))
     ref, absdot = int4_ref(x, words, scales)
     b = rand16(rng, (n,)) if bias else None
