@@ -127,7 +127,7 @@ def rounding_bias(got, ref64) -> dict:
     # on the H200: 7 outputs of a lab GEMV all 0.18-0.34 ulp low, sample noise 0.030), and their
     # spread then promises a precision the mean of so few cannot have.
     return {"magnitude": float(xp.mean(xp.sign(r) * e)), "direction": float(xp.mean(e)), "n": n,
-            "noise": float(max(float(xp.std(e) / np.sqrt(n)), RN_SPREAD / np.sqrt(n)))}
+            "noise": max(float(xp.std(e)), RN_SPREAD) / float(np.sqrt(n))}
 
 
 def bias_limit(noise: float, floor: float = BIAS_LIMIT) -> float:

@@ -14,6 +14,24 @@ from nanoqwen_lib.format import quant
 from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.gpu.lab import prefill_rs
 
+# One RS word's 8 codes, in ValueShuffle's value order: (row, column) offsets from (16 w + g,
+# 16 s + 2 t); the kernel's conversion pairs values (2p, 2p + 1) into its a[p].
+FRAGMENT_ROWS = (0, 0, 8, 8, 0, 0, 8, 8)
+FRAGMENT_COLS = (0, 1, 0, 1, 8, 9, 8, 9)
+
+
+def fragment_codes(rs: np.ndarray) -> dict:
+    """The codes each thread's A fragments hold, decoded from the RS order as the kernel reads
+    it (word s of lane l of warp w at k-tile kt): {(row, col): code}, rows across the blocks."""
+    nb, kt_n = rs.shape[:2]
+    codes = quant.unpack_int4_value_shuffle(rs.reshape(-1, 1)).reshape(nb, kt_n, 4, 32, 4, 8)
+    out = {}
+    for b, kt, w, lane, s, i in np.ndindex(nb, kt_n, 4, 32, 4, 8):
+        row = 64 * b + 16 * w + lane // 4 + FRAGMENT_ROWS[i]
+        col = 64 * kt + 16 * s + 2 * (lane % 4) + FRAGMENT_COLS[i]
+        out[(row, col)] = int(codes[b, kt, w, lane, s, i])
+    return out
+
 
 @pytest.mark.parametrize("n, k", [(64, 128), (200, 256)])
 def test_rs_order_puts_every_code_in_its_fragment(rng, n, k):
@@ -24,7 +42,7 @@ def test_rs_order_puts_every_code_in_its_fragment(rng, n, k):
     codes = rng.integers(-8, 8, size=(n, k), dtype=np.int8)
     rs = prefill_rs.rs_order(quant.pack_int4_value_shuffle(codes))
     assert rs.shape == (-(-n // 64), k // 64, 4, 32, 4) and rs.dtype == np.uint32
-    got = prefill_rs.rs_fragment_codes(rs)
+    got = fragment_codes(rs)
     rows = -(-n // 64) * 64
     assert len(got) == rows * k                                # every (row, col) exactly once
     for w in range(4):                                         # the fragment map, written out

@@ -42,7 +42,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     t = a.tokens
     shapes = decode_gemv_shapes(config.load().model("7b"))
-    rows, out_json = [], {"tokens": t, "reps": a.reps, "shapes": {}}
+    out_json = {"tokens": t, "reps": a.reps, "shapes": {}}
     print(f"T = {t}, median us (TFLOP/s) of {a.reps}")
     for name, (n, k) in shapes.items():
         if name == "lm_head":
@@ -55,8 +55,7 @@ def main() -> None:
         ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma")
         flop = 2.0 * t * n * k
         res = {"n": n, "k": k}
-        us = median_us(lambda: ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma"), 5, a.reps)
-        res["wgmma plan"] = us
+        res["wgmma plan"] = median_us(lambda: ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma"), 5, a.reps)
         w16 = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
         res["cublas fp16"] = median_us(lambda: cp.matmul(x, w16.T, out=out), 5, a.reps)
         for b, change in BUILDS.items():
@@ -73,7 +72,6 @@ def main() -> None:
                                                                    if key + " mismatches" in res else "")
             for key in ("cublas fp16", "wgmma plan", *BUILDS))
         print(line, flush=True)
-        rows.append(line)
     if a.json:
         a.json.write_text(json.dumps(out_json, indent=1))
 

@@ -110,9 +110,11 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
   uint4 wv[PF];
 #pragma unroll
   for (int d = 0; d < PF; ++d) wv[d] = d < KT ? __ldg(wp + (size_t)128 * d) : make_uint4(0u, 0u, 0u, 0u);
-  uint32_t frag[2][4][4];                   // two k-tiles' fragments: one converted while the other's wgmmas run
+  uint32_t frag[1 + NQ_RS_OVERLAP][4][4];   // overlapping: kt's converted while kt - 1's wgmmas run
   hopper::MbarRing<STAGES> ring;
+#if NQ_RS_OVERLAP
   int prev = -1;
+#endif
   for (int kb = 0; kb < KT; kb += PF) {
 #pragma unroll
     for (int d = 0; d < PF; ++d) {
@@ -121,7 +123,7 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
       // the scales of kt's group (two k-tiles a group of 128), as half2 pairs
       const uint32_t sr = (uint32_t)__ldg(s0 + (kt * BK) / NQ_GROUP_SIZE) * 0x10001u;
       const uint32_t sr8 = (uint32_t)__ldg(s8 + (kt * BK) / NQ_GROUP_SIZE) * 0x10001u;
-      uint32_t (&a)[4][4] = frag[d & 1];   // group kt - 2's registers: free since the wait below
+      uint32_t (&a)[4][4] = frag[NQ_RS_OVERLAP ? d & 1 : 0];   // free: their group was waited for
       convert(a[0], wv[d].x, sr, sr8);
       convert(a[1], wv[d].y, sr, sr8);
       convert(a[2], wv[d].z, sr, sr8);

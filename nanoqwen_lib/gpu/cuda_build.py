@@ -51,14 +51,23 @@ def _cuda_include_dirs() -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
+def header_line(name: str, tag: str, lines: int = 60) -> str | None:
+    """What follows `// <tag>:` on its line among the first `lines` of kernels/<name>.cu
+    (None: no such line, or no such file)."""
+    path = KERNEL_DIR / f"{name}.cu"
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines()[:lines]:
+        stripped = line.strip()
+        if stripped.startswith(f"// {tag}:"):
+            return stripped.split(":", 1)[1].strip()
+    return None
+
+
 def kernel_arch(name: str) -> str:
     """The target of kernels/<name>.cu: ARCH, or what its `// nq-arch: sm_90a` line names
     (wgmma and setmaxnreg exist only on the architecture-specific sm_90a target)."""
-    for line in kernel_source(name).splitlines()[:20]:
-        stripped = line.strip()
-        if stripped.startswith("// nq-arch:"):
-            return stripped.split(":", 1)[1].strip()
-    return ARCH
+    return header_line(name, "nq-arch", 20) or ARCH
 
 
 def kernel_files(name: str) -> list[Path]:
@@ -130,23 +139,16 @@ def planned_defines(name: str, dims: ModelDims | None) -> dict:
 
 
 def kernel_build(name: str) -> dict:
-    """The build a lab kernel names on its `// nq-build: NAME=INT ...` line (in its first 60
-    lines; {} if none): for an experiment whose knobs nanoqwen.yaml does not hold. The kernel
-    gets them as -D, its launcher reads the same line (one source). No such file: {} (its
-    compile says so)."""
-    if not (KERNEL_DIR / f"{name}.cu").exists():
-        return {}
-    for line in kernel_source(name).splitlines()[:60]:
-        stripped = line.strip()
-        if stripped.startswith("// nq-build:"):
-            out = {}
-            for item in stripped.split(":", 1)[1].split():
-                key, _, value = item.partition("=")
-                if not key.startswith("NQ_") or not value.lstrip("-").isdigit():
-                    raise ValueError(f"kernels/{name}.cu: nq-build: expected NQ_NAME=integer items, found {item!r}")
-                out[key] = int(value)
-            return out
-    return {}
+    """The build a lab kernel names on its `// nq-build: NAME=INT ...` line ({} if none): for an
+    experiment whose knobs nanoqwen.yaml does not hold. The kernel gets them as -D, its
+    launcher reads the same line (one source)."""
+    out = {}
+    for item in (header_line(name, "nq-build") or "").split():
+        key, _, value = item.partition("=")
+        if not key.startswith("NQ_") or not value.lstrip("-").isdigit():
+            raise ValueError(f"kernels/{name}.cu: nq-build: expected NQ_NAME=integer items, found {item!r}")
+        out[key] = int(value)
+    return out
 
 
 def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None,

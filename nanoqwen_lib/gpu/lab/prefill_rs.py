@@ -3,7 +3,6 @@ is wgmma's A operand from registers, converted there from packed INT4, X the B o
 Issue 29's first step; not yet run on a GPU (PERFLOG, "Issue 29 ... RS form").
 
     rs_order(words)                      ValueShuffle words [N, K/8] -> the kernel's order (uint32)
-    rs_fragment_codes(rs, n, k)          what each thread's fragments hold, decoded (a test's view)
     gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, **build)
                                          Y = fp16(X W^T [+ bias] [+ residual]), ops_prefill's contract
 
@@ -20,20 +19,15 @@ import numpy as np
 from nanoqwen_lib.errors import NanoqwenError
 from nanoqwen_lib.format import quant
 from nanoqwen_lib.gpu import cuda_build
-from nanoqwen_lib.gpu.launch_checks import device_ptr
+from nanoqwen_lib.gpu.launch_checks import check_device_buffer, device_ptr
 
 # The kernel's build, from its nq-build line (kernels/lab/prefill_rs.cu says what each name is).
 RS_BUILD = cuda_build.kernel_build("lab/prefill_rs")
 RS_K_ALIGN = 128          # K: whole scale groups (and k-tiles of 64)
 ROWS = 64                 # weight rows a consumer warpgroup takes (wgmma M)
 
-# One word's 8 codes, in ValueShuffle's value order: (row offset, column offset) from (r, c),
-# r = 16 w + g of the warpgroup's 64 rows, c = 16 s + 2 t of the k-tile's 64 columns.
-FRAGMENT_ROWS = (0, 0, 8, 8, 0, 0, 8, 8)
-FRAGMENT_COLS = (0, 1, 0, 1, 8, 9, 8, 9)
 
-
-def rs_order(words, n: int | None = None) -> np.ndarray:
+def rs_order(words) -> np.ndarray:
     """ValueShuffle words uint32 [N, K/8] -> the RS order, uint32 [ceil(N/64), K/64, 4, 32, 4]
     (feature block, k-tile, warp, lane, k16 step); rows past N hold code 0."""
     words = np.asarray(words)
@@ -52,27 +46,6 @@ def rs_order(words, n: int | None = None) -> np.ndarray:
     return quant.pack_int4_value_shuffle(vec).reshape(nb, k // 64, 4, 32, 4)
 
 
-def rs_fragment_codes(rs: np.ndarray) -> dict:
-    """The codes each thread's A fragments hold, decoded from the RS order as the kernel does
-    (word s of lane l of warp w at k-tile kt, its four half2 a[0..3]): {(row, col): code}
-    over every (row, col) the fragments cover, rows counted from 0 across the feature blocks."""
-    nb, kt_n = rs.shape[:2]
-    codes = quant.unpack_int4_value_shuffle(rs.reshape(-1, 1))     # [words, 8], value order
-    codes = codes.reshape(nb, kt_n, 4, 32, 4, 8)
-    out = {}
-    for b in range(nb):
-        for kt in range(kt_n):
-            for w in range(4):
-                for lane in range(32):
-                    g, t = lane // 4, lane % 4
-                    for s in range(4):
-                        for i in range(8):
-                            row = ROWS * b + 16 * w + g + FRAGMENT_ROWS[i]
-                            col = 64 * kt + 16 * s + 2 * t + FRAGMENT_COLS[i]
-                            out[(row, col)] = int(codes[b, kt, w, lane, s, i])
-    return out
-
-
 def smem_bytes(build: dict) -> int:
     """Dynamic shared memory of nq_prefill_rs: the X ring, 1024 bytes of alignment slack, the barriers."""
     return build["NQ_RS_STAGES"] * build["NQ_RS_BM"] * 128 + 1024 + 2 * 8 * build["NQ_RS_STAGES"]
@@ -89,7 +62,6 @@ def _kernel(build_items: tuple):
 def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, **build) -> None:
     """out[T, N] = fp16(x W^T [+ bias] [+ residual]) on the GPU; x fp16 [T, K], w_rs the RS order
     of W (rs_order, on the device), scales fp16 [N, K/128]; build: RS_BUILD's names to override."""
-    import cupy as cp
     from nanoqwen_lib.gpu import tensor_map
 
     where = "lab.prefill_rs.gemm_int4_rs"
@@ -97,21 +69,20 @@ def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, **build) -> Non
     if unknown:
         raise NanoqwenError(where, "build", f"names of {sorted(RS_BUILD)}", sorted(unknown))
     b = {**RS_BUILD, **build}
-    if x.dtype != cp.float16 or x.ndim != 2 or not x.flags.c_contiguous:
-        raise NanoqwenError(where, "x", "C-contiguous fp16 [T, K]", f"{x.dtype} {x.shape}")
-    t, k = x.shape
-    n = scales.shape[0]
-    if k % RS_K_ALIGN or scales.dtype != cp.float16 or scales.shape != (n, k // quant.GROUP_SIZE):
-        raise NanoqwenError(where, "scales / K", f"fp16 [N, K/{quant.GROUP_SIZE}], K a multiple of {RS_K_ALIGN}",
-                            f"{scales.dtype} {scales.shape}, K {k}")
-    want = (-(-n // ROWS), k // 64, 4, 32, 4)
-    if w_rs.dtype != cp.uint32 or tuple(w_rs.shape) != want:
-        raise NanoqwenError(where, "w_rs", f"uint32 {want} (rs_order)", f"{w_rs.dtype} {tuple(w_rs.shape)}")
-    if out.dtype != cp.float16 or out.shape != (t, n):
-        raise NanoqwenError(where, "out", f"fp16 {(t, n)}", f"{out.dtype} {out.shape}")
-    for name, a, shape in (("bias", bias, (n,)), ("residual", residual, (t, n))):
-        if a is not None and (a.dtype != cp.float16 or a.shape != shape):
-            raise NanoqwenError(where, name, f"fp16 {shape}", f"{a.dtype} {a.shape}")
+    if getattr(x, "ndim", 0) != 2 or getattr(scales, "ndim", 0) != 2:
+        raise NanoqwenError(where, "x / scales", "fp16 [T, K] / fp16 [N, K/128]",
+                            f"{getattr(x, 'shape', None)} / {getattr(scales, 'shape', None)}")
+    (t, k), n = x.shape, scales.shape[0]
+    if k % RS_K_ALIGN:
+        raise NanoqwenError(where, "x.shape[1]", f"K a multiple of {RS_K_ALIGN}", k)
+    check_device_buffer(where, "x", x, np.float16, (t, k))
+    check_device_buffer(where, "scales", scales, np.float16, (n, k // quant.GROUP_SIZE))
+    check_device_buffer(where, "w_rs", w_rs, np.uint32, (-(-n // ROWS), k // 64, 4, 32, 4))   # rs_order
+    check_device_buffer(where, "out", out, np.float16, (t, n))
+    if bias is not None:
+        check_device_buffer(where, "bias", bias, np.float16, (n,))
+    if residual is not None:
+        check_device_buffer(where, "residual", residual, np.float16, (t, n))   # may be `out` (in place)
     if t * k >= 2**31 or t * n >= 2**31:
         raise NanoqwenError(where, "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
     xmap = tensor_map.device_map(x, (b["NQ_RS_BM"], 64), swizzle="128B")
