@@ -15,9 +15,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/
 OUT=${OUT:-/tmp/out}
 for what in "$@"; do
   case $what in
-    gpu-tests) t0=$(date +%s); tag=${NANOQWEN_SMS:-all}
+    gpu-tests) t0=$(date +%s); tag=${NANOQWEN_SMS:-all}   # GPU_TESTS_ARGS: more pytest arguments
       python3 -m pytest -m gpu -n 4 --dist loadfile --timeout 300 -q -rfE -p no:cacheprovider \
-        --ignore=tests/test_book.py --ignore=tests/test_book_build.py 2>&1 | tee $OUT/gpu-tests-$tag.log | tail -25
+        --ignore=tests/test_book.py --ignore=tests/test_book_build.py ${GPU_TESTS_ARGS:-} 2>&1 | tee $OUT/gpu-tests-$tag.log | tail -25
       echo "gpu-tests (SMs: $tag): $(( $(date +%s) - t0 )) s" ;;
     grids) t0=$(date +%s)
       # the persistent step at 132, 114, 96, 78, 74 CTAs (alone and rebuilt on one engine), the

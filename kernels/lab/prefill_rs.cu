@@ -101,7 +101,9 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
   const int G = p.K / NQ_GROUP_SIZE;
   const unsigned short* s0 = reinterpret_cast<const unsigned short*>(p.scales) + (size_t)min(r0, p.N - 1) * G;
   const unsigned short* s8 = reinterpret_cast<const unsigned short*>(p.scales) + (size_t)min(r0 + 8, p.N - 1) * G;
-  const uint4* wp = p.w + ((size_t)((n0 / 64 + cw) * KT) * 4 + warp) * 32 + lane;   // + 128 kt
+  // a warpgroup past N (the last CTA, N not a multiple of 64 CWG) reads the last block and stores nothing
+  const int blk = min(n0 / 64 + cw, (p.N + 63) / 64 - 1);
+  const uint4* wp = p.w + ((size_t)(blk * KT) * 4 + warp) * 32 + lane;   // + 128 kt
   const uint32_t base = hopper::smem_u32(smem);
   const bool leader = lane == 0;
   float acc[BM / 2];
