@@ -88,9 +88,20 @@ def test_rs_build_is_the_register_form(change):
     assert not re.search(r"\bSTS(\.|\s)", text), "a shared-memory store: the weights must stay in registers"
 
 
+@pytest.mark.parametrize("probe", [1, 2])
+def test_rs_probes_build(probe):
+    """The timing probes (tools/bench_prefill_rs.py): 1 keeps the wgmmas without the conversion,
+    2 the conversion without the wgmmas; both compile without spills."""
+    build = {**prefill_rs.RS_BUILD, "NQ_RS_PROBE": probe}
+    _, log = cuda_build.compile_cubin("lab/prefill_rs", None, build)
+    assert "0 bytes spill stores" in " ".join(cuda_build.resource_report(log)), log
+    hgmma = [l for l in cuda_build.sass("lab/prefill_rs", None, build).splitlines() if "HGMMA" in l]
+    assert bool(hgmma) == (probe == 1)
+
+
 def test_the_build_has_one_source():
     """The kernel's nq-build line is what the launcher reads and what compile_options passes."""
-    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP"}
+    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP", "NQ_RS_PROBE"}
     opts = cuda_build.compile_options(None, cuda_build.planned_defines("lab/prefill_rs", None), include_cuda=False,
                                       name="lab/prefill_rs")
     for k, v in prefill_rs.RS_BUILD.items():

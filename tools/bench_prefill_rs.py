@@ -1,12 +1,14 @@
 """The lab's RS-form INT4 GEMM (kernels/lab/prefill_rs.cu) timed against the engine's wgmma
 plan (prefill_wgmma.cu) and cuBLAS FP16 on the 7B's four shapes, in one process (needs a GPU).
 
-    python3 tools/bench_prefill_rs.py [--tokens 512] [--reps 20] [--json OUT]
+    python3 tools/bench_prefill_rs.py [--tokens 512 ...] [--shapes qkv ...] [--builds NAME ...] [--reps 20] [--json OUT]
 
 Each shape: its GEMM checked once against the engine's wgmma output (the same w16 = fp16(code *
 scale) contract; the two sum in other orders, so within a few fp16 ulps, not bit-equal), then
 each build timed with CUDA events, median of --reps after warm-up; TFLOP/s = 2 T N K / time.
-The builds: the default (RS_BUILD) and the variants tests/test_gpu_prefill_rs.py checks.
+The builds: BUILDS below (default: the default build and the variants tests/test_gpu_prefill_rs.py
+checks); "probe" builds time a part of the kernel (kernels/lab/prefill_rs.cu, NQ_RS_PROBE) and
+their values are not checked.
 """
 from __future__ import annotations
 
@@ -25,7 +27,16 @@ from nanoqwen_lib import config  # noqa: E402
 from nanoqwen_lib.format.layout import decode_gemv_shapes  # noqa: E402
 
 BUILDS = {"rs": {}, "rs overlap": {"NQ_RS_OVERLAP": 1}, "rs bm64": {"NQ_RS_BM": 64},
-          "rs 3 consumers": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}}
+          "rs 3 consumers": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
+          "rs 3c pf2": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PF": 2},
+          "rs 3c st4": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 4},
+          "rs 3c st8": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 8},
+          "rs 3c bm64": {"NQ_RS_CWG": 3, "NQ_RS_BM": 64, "NQ_RS_STAGES": 8},
+          "rs 2c pf2": {"NQ_RS_PF": 2},
+          "probe wgmma only": {"NQ_RS_PROBE": 1}, "probe convert only": {"NQ_RS_PROBE": 2},
+          "probe 3c wgmma only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 1},
+          "probe 3c convert only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 2}}
+DEFAULT_BUILDS = ("rs", "rs overlap", "rs bm64", "rs 3 consumers")
 
 
 def main() -> None:
@@ -35,45 +46,51 @@ def main() -> None:
     from nanoqwen_lib.gpu.lab import prefill_rs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512])
+    ap.add_argument("--shapes", nargs="+", default=["qkv", "o_proj", "gate_up", "down"])
+    ap.add_argument("--builds", nargs="+", default=list(DEFAULT_BUILDS), choices=list(BUILDS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    t = a.tokens
     shapes = decode_gemv_shapes(config.load().model("7b"))
-    out_json = {"tokens": t, "reps": a.reps, "shapes": {}}
-    print(f"T = {t}, median us (TFLOP/s) of {a.reps}")
-    for name, (n, k) in shapes.items():
-        if name == "lm_head":
-            continue
-        words = cp.asarray(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
-        scales = cp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16))
-        w_rs = cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
-        x = cp.asarray(rng.standard_normal((t, k)).astype(np.float16))
-        ref, out = cp.empty((t, n), cp.float16), cp.empty((t, n), cp.float16)
-        ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma")
-        flop = 2.0 * t * n * k
-        res = {"n": n, "k": k}
-        res["wgmma plan"] = median_us(lambda: ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma"), 5, a.reps)
-        w16 = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
-        res["cublas fp16"] = median_us(lambda: cp.matmul(x, w16.T, out=out), 5, a.reps)
-        for b, change in BUILDS.items():
-            out.fill(np.nan)
-            prefill_rs.gemm_int4_rs(x, w_rs, scales, out, **change)
-            d = cp.abs(out.astype(cp.float32) - ref.astype(cp.float32))
-            tol = 4 * cp.maximum(cp.abs(ref.astype(cp.float32)) * 2.0**-10, 2.0**-14)
-            bad = int(cp.count_nonzero(~(d <= tol)))
-            res[b] = median_us(lambda: prefill_rs.gemm_int4_rs(x, w_rs, scales, out, **change), 5, a.reps)
-            res[b + " mismatches"] = bad
-        out_json["shapes"][name] = res
-        line = f"{name:<8} N {n:>6} K {k:>6}: " + ", ".join(
-            f"{key} {res[key]:.1f} ({flop / res[key] / 1e6:.0f})" + (f" [{res[key + ' mismatches']} off]"
-                                                                   if key + " mismatches" in res else "")
-            for key in ("cublas fp16", "wgmma plan", *BUILDS))
-        print(line, flush=True)
+    out_json = {"reps": a.reps, "builds": {b: BUILDS[b] for b in a.builds}, "runs": {}}
+    for t in a.tokens:
+        print(f"T = {t}, median us (TFLOP/s) of {a.reps}")
+        for name in a.shapes:
+            out_json["runs"][f"{name} T={t}"] = one_shape(cp, ops_prefill, prefill_rs, rng, name, *shapes[name], t, a)
     if a.json:
         a.json.write_text(json.dumps(out_json, indent=1))
+
+
+def one_shape(cp, ops_prefill, prefill_rs, rng, name, n, k, t, a) -> dict:
+    """One shape at T tokens: cuBLAS FP16, the engine's wgmma plan and each build (median us)."""
+    words = cp.asarray(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
+    scales = cp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16))
+    w_rs = cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
+    x = cp.asarray(rng.standard_normal((t, k)).astype(np.float16))
+    ref, out = cp.empty((t, n), cp.float16), cp.empty((t, n), cp.float16)
+    ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma")
+    flop = 2.0 * t * n * k
+    res = {"n": n, "k": k}
+    res["wgmma plan"] = median_us(lambda: ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma"), 5, a.reps)
+    w16 = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
+    res["cublas fp16"] = median_us(lambda: cp.matmul(x, w16.T, out=out), 5, a.reps)
+    for b in a.builds:
+        change = BUILDS[b]
+        out.fill(np.nan)
+        prefill_rs.gemm_int4_rs(x, w_rs, scales, out, **change)
+        if not b.startswith("probe"):
+            d = cp.abs(out.astype(cp.float32) - ref.astype(cp.float32))
+            tol = 4 * cp.maximum(cp.abs(ref.astype(cp.float32)) * 2.0**-10, 2.0**-14)
+            res[b + " mismatches"] = int(cp.count_nonzero(~(d <= tol)))
+        res[b] = median_us(lambda: prefill_rs.gemm_int4_rs(x, w_rs, scales, out, **change), 5, a.reps)
+    line = f"{name:<8} N {n:>6} K {k:>6}: " + ", ".join(
+        f"{key} {res[key]:.1f} ({flop / res[key] / 1e6:.0f})" + (f" [{res[key + ' mismatches']} off]"
+                                                               if key + " mismatches" in res else "")
+        for key in ("cublas fp16", "wgmma plan", *a.builds))
+    print(line, flush=True)
+    return res
 
 
 if __name__ == "__main__":

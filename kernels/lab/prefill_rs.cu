@@ -25,7 +25,7 @@
 #include "hopper.cuh"
 #include "lab/wgmma_rs_ops.cuh"
 
-// nq-build: NQ_RS_BM=128 NQ_RS_CWG=2 NQ_RS_STAGES=4 NQ_RS_PF=4 NQ_RS_OVERLAP=0
+// nq-build: NQ_RS_BM=128 NQ_RS_CWG=2 NQ_RS_STAGES=4 NQ_RS_PF=4 NQ_RS_OVERLAP=0 NQ_RS_PROBE=0
 // The build above reaches this file as -D (cuda_build.kernel_build); the launcher reads the same
 // line (nanoqwen_lib/gpu/lab/prefill_rs.py: RS_BUILD) and may override each name:
 //   NQ_RS_BM tokens per CTA (the wgmma N: 64, 128), NQ_RS_CWG consumer warpgroups (64 features each),
@@ -33,7 +33,11 @@
 //   unrolled by it), NQ_RS_OVERLAP 1: convert k-tile kt+1 while kt's wgmmas run in the same
 //   warpgroup (ptxas then serializes the wgmmas, C7513), 0: each warpgroup waits for its own
 //   group, and the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
-#if !defined(NQ_RS_BM) || !defined(NQ_RS_CWG) || !defined(NQ_RS_STAGES) || !defined(NQ_RS_PF) || !defined(NQ_RS_OVERLAP)
+//   NQ_RS_PROBE (timing probes, wrong values): 1 no conversion (the raw words are the fragments:
+//   loads, ring and wgmmas only), 2 no wgmma (loads, ring and conversion; the fragments folded
+//   into one accumulator so that they stay live).
+#if !defined(NQ_RS_BM) || !defined(NQ_RS_CWG) || !defined(NQ_RS_STAGES) || !defined(NQ_RS_PF) || !defined(NQ_RS_OVERLAP) \
+    || !defined(NQ_RS_PROBE)
 #error "NQ_RS_*: the nq-build line above, through nanoqwen_lib.gpu.cuda_build"
 #endif
 
@@ -45,6 +49,7 @@ constexpr int THREADS = 128 * (1 + CWG);
 constexpr int STAGE_BYTES = BM * 2 * BK;        // X tile: BM rows of 128 bytes, 128B swizzle
 static_assert(BM == 64 || BM == 128, "BM: a wgmma N with an RS wrapper (64, 128)");
 static_assert(CWG >= 1 && CWG <= 3, "1..3 consumer warpgroups");
+static_assert(NQ_RS_PROBE == 0 || NQ_RS_PROBE == 1 || (NQ_RS_PROBE == 2 && !NQ_RS_OVERLAP), "probes: 1, 2 (not overlapped)");
 static_assert(PF == 2 || PF == 4, "PF: 2 or 4 (the k loop is unrolled by it; fragments alternate)");
 static_assert(STAGES >= 2 && STAGES <= 8 && STAGE_BYTES % 1024 == 0, "2..8 stages, 1024-aligned");
 constexpr uint32_t kMagicLo = 0x64086408u, kMagicHi = 0x54805480u;   // prefill_gemm.cu's
@@ -126,13 +131,31 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
       const uint32_t sr = (uint32_t)__ldg(s0 + (kt * BK) / NQ_GROUP_SIZE) * 0x10001u;
       const uint32_t sr8 = (uint32_t)__ldg(s8 + (kt * BK) / NQ_GROUP_SIZE) * 0x10001u;
       uint32_t (&a)[4][4] = frag[NQ_RS_OVERLAP ? d & 1 : 0];   // free: their group was waited for
+#if NQ_RS_PROBE == 1
+      const uint32_t raw[4] = {wv[d].x, wv[d].y, wv[d].z, wv[d].w};
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) a[s][q] = raw[(s + q) & 3];
+#else
       convert(a[0], wv[d].x, sr, sr8);
       convert(a[1], wv[d].y, sr, sr8);
       convert(a[2], wv[d].z, sr, sr8);
       convert(a[3], wv[d].w, sr, sr8);
+#endif
       if (kt + PF < KT) wv[d] = __ldg(wp + (size_t)128 * (kt + PF));
       hopper::mbar_wait(&full[ring.stage], ring.phase);
       const uint32_t b = base + ring.stage * STAGE_BYTES;
+#if NQ_RS_PROBE == 2
+      uint32_t fold = 0;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) fold ^= a[s][0] ^ a[s][1] ^ a[s][2] ^ a[s][3];
+      acc[d] += __uint_as_float(fold & 0x3FFFFFFFu) + (float)(b & 1u);
+      __syncwarp();
+      if (leader) hopper::mbar_arrive(&empty[ring.stage]);
+      ring.advance();
+      continue;
+#endif
       hopper::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s) wgmma::wgmma_f16_rs<BM>(acc, a[s], desc_sw128(b + 32 * s), 1);
