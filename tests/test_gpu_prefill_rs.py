@@ -61,6 +61,6 @@ def test_rs_gemm_odd_shapes(rng, t, n, k):
 
 
 @pytest.mark.parametrize("build", [{"NQ_RS_OVERLAP": 1}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1, "NQ_RS_PF": 2},
-                                   {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}])
+                                   {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, {"NQ_RS_KG": 2}])
 def test_rs_gemm_builds(rng, build):
     run_rs(rng, 512, 3584, 3584, bias=False, residual=True, **build)

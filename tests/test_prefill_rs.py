@@ -66,7 +66,7 @@ def test_rs_order_refuses_what_it_cannot_lay_out():
 
 
 BUILDS = [{}, {"NQ_RS_OVERLAP": 1}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1, "NQ_RS_PF": 2},
-          {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}]             # the default and tests/test_gpu_prefill_rs.py's
+          {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, {"NQ_RS_KG": 2}]   # the default and tests/test_gpu_prefill_rs.py's
 
 
 @pytest.mark.parametrize("change", BUILDS, ids=lambda b: ",".join(f"{k[6:]}={v}" for k, v in b.items()) or "default")
@@ -101,7 +101,7 @@ def test_rs_probes_build(probe):
 
 def test_the_build_has_one_source():
     """The kernel's nq-build line is what the launcher reads and what compile_options passes."""
-    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP", "NQ_RS_PROBE"}
+    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP", "NQ_RS_KG", "NQ_RS_PROBE"}
     opts = cuda_build.compile_options(None, cuda_build.planned_defines("lab/prefill_rs", None), include_cuda=False,
                                       name="lab/prefill_rs")
     for k, v in prefill_rs.RS_BUILD.items():

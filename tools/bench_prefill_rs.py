@@ -33,6 +33,7 @@ BUILDS = {"rs": {}, "rs overlap": {"NQ_RS_OVERLAP": 1}, "rs bm64": {"NQ_RS_BM": 
           "rs 3c st8": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 8},
           "rs 3c bm64": {"NQ_RS_CWG": 3, "NQ_RS_BM": 64, "NQ_RS_STAGES": 8},
           "rs 2c pf2": {"NQ_RS_PF": 2},
+          "rs kg2": {"NQ_RS_KG": 2},      # three consumers with KG 2 spill (128 registers a thread)
           "probe wgmma only": {"NQ_RS_PROBE": 1}, "probe convert only": {"NQ_RS_PROBE": 2},
           "probe 3c wgmma only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 1},
           "probe 3c convert only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 2}}

@@ -25,7 +25,7 @@
 #include "hopper.cuh"
 #include "lab/wgmma_rs_ops.cuh"
 
-// nq-build: NQ_RS_BM=128 NQ_RS_CWG=2 NQ_RS_STAGES=4 NQ_RS_PF=4 NQ_RS_OVERLAP=0 NQ_RS_PROBE=0
+// nq-build: NQ_RS_BM=128 NQ_RS_CWG=2 NQ_RS_STAGES=4 NQ_RS_PF=4 NQ_RS_OVERLAP=0 NQ_RS_KG=1 NQ_RS_PROBE=0
 // The build above reaches this file as -D (cuda_build.kernel_build); the launcher reads the same
 // line (nanoqwen_lib/gpu/lab/prefill_rs.py: RS_BUILD) and may override each name:
 //   NQ_RS_BM tokens per CTA (the wgmma N: 64, 128), NQ_RS_CWG consumer warpgroups (64 features each),
@@ -33,22 +33,26 @@
 //   unrolled by it), NQ_RS_OVERLAP 1: convert k-tile kt+1 while kt's wgmmas run in the same
 //   warpgroup (ptxas then serializes the wgmmas, C7513), 0: each warpgroup waits for its own
 //   group, and the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
+//   NQ_RS_KG k-tiles a wgmma group (not overlapped): 2 converts two k-tiles, then issues their 8
+//   wgmmas as one group and waits once (half the waits, twice the fragment registers).
 //   NQ_RS_PROBE (timing probes, wrong values): 1 no conversion (the raw words are the fragments:
 //   loads, ring and wgmmas only), 2 no wgmma (loads, ring and conversion; the fragments folded
 //   into one accumulator so that they stay live).
 #if !defined(NQ_RS_BM) || !defined(NQ_RS_CWG) || !defined(NQ_RS_STAGES) || !defined(NQ_RS_PF) || !defined(NQ_RS_OVERLAP) \
-    || !defined(NQ_RS_PROBE)
+    || !defined(NQ_RS_KG) || !defined(NQ_RS_PROBE)
 #error "NQ_RS_*: the nq-build line above, through nanoqwen_lib.gpu.cuda_build"
 #endif
 
 namespace rs {
-constexpr int BM = NQ_RS_BM, CWG = NQ_RS_CWG, STAGES = NQ_RS_STAGES, PF = NQ_RS_PF;
+constexpr int BM = NQ_RS_BM, CWG = NQ_RS_CWG, STAGES = NQ_RS_STAGES, PF = NQ_RS_PF, KG = NQ_RS_KG;
 constexpr int BK = 64;                          // k per stage and k-tile (128 bytes of fp16 X)
 constexpr int BNF = 64 * CWG;                   // features per CTA
 constexpr int THREADS = 128 * (1 + CWG);
 constexpr int STAGE_BYTES = BM * 2 * BK;        // X tile: BM rows of 128 bytes, 128B swizzle
 static_assert(BM == 64 || BM == 128, "BM: a wgmma N with an RS wrapper (64, 128)");
 static_assert(CWG >= 1 && CWG <= 3, "1..3 consumer warpgroups");
+static_assert((KG == 1 || KG == 2) && PF % KG == 0 && (KG == 1 || !NQ_RS_OVERLAP) && STAGES > KG,
+              "KG: 1 or 2 k-tiles a group, dividing PF, not overlapped, fewer than the stages");
 static_assert(NQ_RS_PROBE == 0 || NQ_RS_PROBE == 1 || (NQ_RS_PROBE == 2 && !NQ_RS_OVERLAP), "probes: 1, 2 (not overlapped)");
 static_assert(PF == 2 || PF == 4, "PF: 2 or 4 (the k loop is unrolled by it; fragments alternate)");
 static_assert(STAGES >= 2 && STAGES <= 8 && STAGE_BYTES % 1024 == 0, "2..8 stages, 1024-aligned");
@@ -117,10 +121,12 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
   uint4 wv[PF];
 #pragma unroll
   for (int d = 0; d < PF; ++d) wv[d] = d < KT ? __ldg(wp + (size_t)128 * d) : make_uint4(0u, 0u, 0u, 0u);
-  uint32_t frag[1 + NQ_RS_OVERLAP][4][4];   // overlapping: kt's converted while kt - 1's wgmmas run
+  uint32_t frag[NQ_RS_OVERLAP ? 2 : KG][4][4];   // overlapping: kt's converted while kt - 1's wgmmas run
   hopper::MbarRing<STAGES> ring;
 #if NQ_RS_OVERLAP
   int prev = -1;
+#else
+  uint32_t group_b[KG], group_stage[KG];   // the stages of the k-tiles converted for the next group
 #endif
   for (int kb = 0; kb < KT; kb += PF) {
 #pragma unroll
@@ -130,7 +136,7 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
       // the scales of kt's group (two k-tiles a group of 128), as half2 pairs
       const uint32_t sr = (uint32_t)__ldg(s0 + (kt * BK) / NQ_GROUP_SIZE) * 0x10001u;
       const uint32_t sr8 = (uint32_t)__ldg(s8 + (kt * BK) / NQ_GROUP_SIZE) * 0x10001u;
-      uint32_t (&a)[4][4] = frag[NQ_RS_OVERLAP ? d & 1 : 0];   // free: their group was waited for
+      uint32_t (&a)[4][4] = frag[NQ_RS_OVERLAP ? d & 1 : d % KG];   // free: their group was waited for
 #if NQ_RS_PROBE == 1
       const uint32_t raw[4] = {wv[d].x, wv[d].y, wv[d].z, wv[d].w};
 #pragma unroll
@@ -156,19 +162,35 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
       ring.advance();
       continue;
 #endif
+#if NQ_RS_OVERLAP
       hopper::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s) wgmma::wgmma_f16_rs<BM>(acc, a[s], desc_sw128(b + 32 * s), 1);
       hopper::wgmma_commit();
-#if NQ_RS_OVERLAP
       hopper::wgmma_wait<1>();   // kt - 1's group is done: its stage and its fragments are free
       if (prev >= 0 && leader) hopper::mbar_arrive(&empty[prev]);
       prev = ring.stage;
-#else
-      hopper::wgmma_wait<0>();   // kt's group is done: its stage is free
-      if (leader) hopper::mbar_arrive(&empty[ring.stage]);
-#endif
       ring.advance();
+#else
+      const int j = d % KG;      // a constant once the d loop is unrolled
+      group_b[j] = b;
+      group_stage[j] = ring.stage;
+      ring.advance();
+      if (j == KG - 1 || kt == KT - 1) {   // the group's k-tiles are converted and their stages full
+        hopper::wgmma_fence();
+#pragma unroll
+        for (int q = 0; q < KG; ++q)
+          if (q <= j) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s) wgmma::wgmma_f16_rs<BM>(acc, frag[q][s], desc_sw128(group_b[q] + 32 * s), 1);
+          }
+        hopper::wgmma_commit();
+        hopper::wgmma_wait<0>();   // the group is done: its stages and fragments are free
+#pragma unroll
+        for (int q = 0; q < KG; ++q)
+          if (q <= j && leader) hopper::mbar_arrive(&empty[group_stage[q]]);
+      }
+#endif
     }
   }
   hopper::wgmma_wait<0>();
