@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanoqwen_lib.format.layout import decode_gemv_shapes
 from nanoqwen_lib.measure.timing import events_between, intervals_ms
 
 
@@ -102,33 +101,21 @@ def prefill_region_times(engine, prompt: list[int], iters: int = 10) -> dict[str
     return out
 
 
-def prefill_breakdown(engine, prompt: list[int], iters: int = 10, tensor_tflops: float | None = None,
-                      cublas: bool = False) -> dict:
+def prefill_breakdown(engine, prompt: list[int], iters: int = 10, tensor_tflops: float | None = None) -> dict:
     """The prefill of `prompt` (one chunk) region by region against each region's FLOP floor:
     its FLOPs (gpu.layer.prefill_region_flops) over the dense FP16 tensor-core rate measured
     now (timing.measure_tensor_ceiling, cuBLAS), unless given. Regions without FLOPs (norms,
-    RoPE, embed) get no floor. cublas=True: each GEMM region also gets `cublas_ms`, cuBLAS's
-    time for the same products on dense FP16 weights (nothing fused), measured now."""
-    from nanoqwen_lib.gpu.layer import prefill_region_flops, prefill_regions
-    from nanoqwen_lib.measure.timing import measure_cublas_fp16, measure_tensor_ceiling
+    RoPE, embed) get no floor."""
+    from nanoqwen_lib.gpu.layer import prefill_region_flops
+    from nanoqwen_lib.measure.timing import measure_tensor_ceiling
     ms = prefill_region_times(engine, prompt, iters=iters)
     flops = prefill_region_flops(engine.dims, len(prompt))
     rate = tensor_tflops or measure_tensor_ceiling()["tflops"]
-    dense = {}
-    if cublas:
-        shapes = decode_gemv_shapes(engine.dims)
-        for r in prefill_regions(engine.dims):
-            if r.matrix is not None:
-                if r.prefill not in dense:
-                    dense[r.prefill] = [measure_cublas_fp16(len(prompt), *shapes[r.matrix]), 0]
-                dense[r.prefill][1] += 1
     rows = {}
     for region, t in ms.items():
         f = flops.get(region, 0)
         rows[region] = {"ms": t, "flops": f, "tflops": f / (t * 1e-3) / 1e12 if f else None,
                         "floor_ms": f / (rate * 1e12) * 1e3 if f else None}
-        if region in dense:
-            rows[region]["cublas_ms"] = dense[region][0] * dense[region][1]
     total = sum(ms.values())
     floor = sum(flops.values()) / (rate * 1e12) * 1e3
     return {"tokens": len(prompt), "iters": iters, "tensor_ceiling_tflops": rate, "regions": rows,
@@ -136,19 +123,13 @@ def prefill_breakdown(engine, prompt: list[int], iters: int = 10, tensor_tflops:
 
 
 def format_prefill_breakdown(b: dict) -> str:
-    with_dense = any("cublas_ms" in r for r in b["regions"].values())
     lines = [f"prefill breakdown, {b['tokens']} tokens ({b['kind']}; medians, regions replayed alone; "
-             f"floors at {b['tensor_ceiling_tflops']:.0f} TFLOP/s, cuBLAS FP16 measured now"
-             + ("; cuBLAS ms: the same products on dense FP16 weights)" if with_dense else ")"),
-             f"{'region':<20}{'ms':>9}{'floor ms':>10}{'TFLOP/s':>9}{'of ceiling':>12}"
-             + (f"{'cuBLAS ms':>11}{'x cuBLAS':>10}" if with_dense else "")]
+             f"floors at {b['tensor_ceiling_tflops']:.0f} TFLOP/s, cuBLAS FP16 measured now)",
+             f"{'region':<20}{'ms':>9}{'floor ms':>10}{'TFLOP/s':>9}{'of ceiling':>12}"]
     for region, r in b["regions"].items():
         if r["flops"]:
-            line = (f"{region:<20}{r['ms']:>9.3f}{r['floor_ms']:>10.3f}{r['tflops']:>9.0f}"
-                    f"{r['floor_ms'] / r['ms']:>12.1%}")
-            if "cublas_ms" in r:
-                line += f"{r['cublas_ms']:>11.3f}{r['ms'] / r['cublas_ms']:>9.2f}x"
-            lines.append(line)
+            lines.append(f"{region:<20}{r['ms']:>9.3f}{r['floor_ms']:>10.3f}{r['tflops']:>9.0f}"
+                         f"{r['floor_ms'] / r['ms']:>12.1%}")
         else:
             lines.append(f"{region:<20}{r['ms']:>9.3f}{'-':>10}{'-':>9}{'-':>12}")
     lines.append(f"{'sum of regions':<20}{b['regions_sum_ms']:>9.3f}{b['floor_ms']:>10.3f}{'':>9}"

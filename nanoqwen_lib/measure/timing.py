@@ -121,24 +121,6 @@ def read_ceiling_tbps(nbytes: int = 4 << 30, iters: int = 10) -> float:
     return measure_read_ceiling(nbytes, iters)["tbps"]
 
 
-def measure_cublas_fp16(t: int, n: int, k: int, iters: int = 10) -> float:
-    """Median ms of cuBLAS (cupy.matmul) computing X W^T for random fp16 X [t, k] and W [n, k],
-    FP32 accumulation: the dense FP16 product a quantized GEMM of that shape is compared with."""
-    import cupy as cp
-
-    rng = cp.random.default_rng(0)
-    x = rng.standard_normal((t, k), dtype=cp.float32).astype(cp.float16)
-    w = rng.standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
-    y = cp.empty((t, n), cp.float16)
-
-    def run():
-        cp.matmul(x, w.T, out=y)
-
-    ms = time_cuda(run, warmup=3, iters=iters)["median"]
-    del x, w, y
-    return ms
-
-
 def measure_tensor_ceiling(n: int = 8192, iters: int = 10) -> dict:
     """Dense FP16 tensor-core rate of the current device: cuBLAS (cupy.matmul) on an n x n x n
     product of random fp16 matrices, FP32 accumulation: {'tflops', 'n', 'median', ...}. The
