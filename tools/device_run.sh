@@ -195,6 +195,22 @@ PY
       timeout ${LLAMA_TIMEOUT:-560} python3 tools/llama_cpp_bench.py run --cuda --model 7b --work .peers/work \
         --prebuilt .peers/llama-cpp-build-sm90.tar.xz --steps quantize,bench,check --drop-f16 \
         --out .peers/llama-cpp.json 2>&1 | tail -8; cp .peers/llama-cpp.json $OUT/ ;;
+    rs-sweep)
+      # the RS GEMM's builds and probes on the 7B's shapes at T = 512 (RS_TOKENS), then ncu's view of
+      # RS_NCU builds (default: the three-consumer build and its wgmma-only probe) on gate_up
+      t0=$(date +%s)
+      timeout 300 python3 tools/bench_prefill_rs.py --tokens ${RS_TOKENS:-512} --builds rs "rs 3 consumers" "rs kg2" \
+        "rs 3c pf2" "rs 3c st4" "rs 3c st8" "rs 3c bm64" "rs 2c pf2" "probe wgmma only" "probe convert only" \
+        "probe 3c wgmma only" "probe 3c convert only" --json $OUT/rs-sweep.json 2>&1 | tee $OUT/rs-sweep.log | tail -6
+      IFS='|' read -ra builds <<< "${RS_NCU:-rs 3 consumers|probe 3c wgmma only}"
+      for b in "${builds[@]}"; do
+        f=$OUT/ncu-$(echo "$b" | tr ' ' _).txt
+        timeout 120 ncu --clock-control none --kernel-name nq_prefill_rs --launch-count 1 --section SpeedOfLight \
+          --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats \
+          --section Occupancy python3 tools/bench_prefill_rs.py --shapes gate_up --builds "$b" --reps 2 > "$f" 2>&1
+        echo "ncu $b:"; grep -E "Duration|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per" "$f" | head -8
+      done
+      echo "rs-sweep: $(( $(date +%s) - t0 )) s" ;;
     rs-gemm)
       # the lab's RS-form INT4 GEMM (issue 29): its GPU tests, then timed beside the wgmma plan and cuBLAS
       t0=$(date +%s)
