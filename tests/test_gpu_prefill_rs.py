@@ -29,12 +29,13 @@ def weights(rng, n, k):
     gate_up takes seconds on the host); every case draws a fresh X."""
     if (n, k) not in _WEIGHTS:
         words, scales = rand_int4(rng, n, k)
-        _WEIGHTS[(n, k)] = words, scales, cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
+        _WEIGHTS[(n, k)] = (words, scales, cp.asarray(prefill_rs.rs_order(cp.asnumpy(words))),
+                            cp.asarray(prefill_rs.rs_scales(cp.asnumpy(scales))))
     return _WEIGHTS[(n, k)]
 
 
 def run_rs(rng, t, n, k, *, bias, residual, **build):
-    words, scales, w_rs = weights(rng, n, k)
+    words, scales, w_rs, s_rs = weights(rng, n, k)
     x = rand16(rng, (t, k))
     ref, absdot = int4_ref(x, words, scales)
     b = rand16(rng, (n,)) if bias else None
@@ -43,7 +44,8 @@ def run_rs(rng, t, n, k, *, bias, residual, **build):
     out.fill(np.nan)
     if residual:                     # in place: out holds the residual
         out[...] = res
-    prefill_rs.gemm_int4_rs(x, w_rs, scales, out, bias=b, residual=out if residual else None, **build)
+    prefill_rs.gemm_int4_rs(x, w_rs, scales, out, bias=b, residual=out if residual else None, scales_rs=s_rs,
+                            **build)
     cp.cuda.Device().synchronize()
     return check_int4(f"rs T={t} N={n} K={k} {build}", out, ref, absdot, k, bias=b, residual=res)
 
@@ -60,7 +62,10 @@ def test_rs_gemm_odd_shapes(rng, t, n, k):
     run_rs(rng, t, n, k, bias=True, residual=True)
 
 
-@pytest.mark.parametrize("build", [{"NQ_RS_OVERLAP": 1}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1, "NQ_RS_PF": 2},
-                                   {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, {"NQ_RS_KG": 2}])
+@pytest.mark.parametrize("build", [{"NQ_RS_OVERLAP": 1, "NQ_RS_WSMEM": 0}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1},
+                                   {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, {"NQ_RS_KG": 2}, {"NQ_RS_WSMEM": 0},
+                                   {"NQ_RS_WSMEM": 0, "NQ_RS_CWG": 1, "NQ_RS_PF": 2},
+                                   {"NQ_RS_WSMEM": 0, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
+                                   {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_KG": 2}])
 def test_rs_gemm_builds(rng, build):
     run_rs(rng, 512, 3584, 3584, bias=False, residual=True, **build)

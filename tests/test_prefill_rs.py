@@ -58,6 +58,21 @@ def test_rs_order_puts_every_code_in_its_fragment(rng, n, k):
     assert (full[:n] == codes).all() and (full[n:] == 0).all()
 
 
+@pytest.mark.parametrize("n, k", [(64, 128), (200, 384)])
+def test_rs_scales_put_each_block_and_group_together(rng, n, k):
+    """The shared-memory path copies 128 bytes a feature block and group: the 64 rows' scales of
+    that group, in row order, zeros past N."""
+    scales = rng.uniform(0.001, 0.02, size=(n, k // quant.GROUP_SIZE)).astype(np.float16)
+    got = prefill_rs.rs_scales(scales)
+    nb = -(-n // 64)
+    assert got.shape == (nb, k // quant.GROUP_SIZE, 64) and got.dtype == np.float16 and got.flags.c_contiguous
+    for b, grp, r in np.ndindex(*got.shape):
+        row = 64 * b + r
+        assert got[b, grp, r] == (scales[row, grp] if row < n else 0), (b, grp, r)
+    with pytest.raises(NanoqwenError, match="fp16"):
+        prefill_rs.rs_scales(scales.astype(np.float32))
+
+
 def test_rs_order_refuses_what_it_cannot_lay_out():
     with pytest.raises(NanoqwenError, match="multiple of 128"):
         prefill_rs.rs_order(np.zeros((64, 8), np.uint32))     # K = 64
@@ -65,8 +80,10 @@ def test_rs_order_refuses_what_it_cannot_lay_out():
         prefill_rs.rs_order(np.zeros((64, 16), np.int32))
 
 
-BUILDS = [{}, {"NQ_RS_OVERLAP": 1}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1, "NQ_RS_PF": 2},
-          {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, {"NQ_RS_KG": 2}]   # the default and tests/test_gpu_prefill_rs.py's
+BUILDS = [{}, {"NQ_RS_OVERLAP": 1, "NQ_RS_WSMEM": 0}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1},
+          {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, {"NQ_RS_KG": 2}, {"NQ_RS_WSMEM": 0},
+          {"NQ_RS_WSMEM": 0, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
+          {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_KG": 2}]   # the default and tests/test_gpu_prefill_rs.py's
 
 
 @pytest.mark.parametrize("change", BUILDS, ids=lambda b: ",".join(f"{k[6:]}={v}" for k, v in b.items()) or "default")
@@ -86,13 +103,20 @@ def test_rs_build_is_the_register_form(change):
     form = re.compile(rf"HGMMA\.64x{build['NQ_RS_BM']}x16\.F32 R\d+, R\d+, gdesc\[")
     assert hgmma and all(form.search(l) for l in hgmma), hgmma[:3]
     assert not re.search(r"\bSTS(\.|\s)", text), "a shared-memory store: the weights must stay in registers"
+    if build["NQ_RS_WSMEM"]:   # the k loop reads W and its scales from the stage, never from global memory
+        # (the shortest loop with the wgmmas: the mbarrier waits' retry blocks sit after the
+        # epilogue, and their backward branches make longer spans that hold the epilogue's loads)
+        k_loop = min((loop for loop in cuda_build.sass_loops(text, "nq_prefill_rs") if any("HGMMA" in op for op in loop)),
+                     key=len)
+        assert not any(op.startswith("LDG") for op in k_loop) and any(op.startswith("LDS") for op in k_loop), k_loop
 
 
+@pytest.mark.parametrize("wsmem", [0, 1])
 @pytest.mark.parametrize("probe", [1, 2])
-def test_rs_probes_build(probe):
+def test_rs_probes_build(probe, wsmem):
     """The timing probes (tools/bench_prefill_rs.py): 1 keeps the wgmmas without the conversion,
     2 the conversion without the wgmmas; both compile without spills."""
-    build = {**prefill_rs.RS_BUILD, "NQ_RS_PROBE": probe}
+    build = {**prefill_rs.RS_BUILD, "NQ_RS_PROBE": probe, "NQ_RS_WSMEM": wsmem}
     _, log = cuda_build.compile_cubin("lab/prefill_rs", None, build)
     assert "0 bytes spill stores" in " ".join(cuda_build.resource_report(log)), log
     hgmma = [l for l in cuda_build.sass("lab/prefill_rs", None, build).splitlines() if "HGMMA" in l]
@@ -101,7 +125,7 @@ def test_rs_probes_build(probe):
 
 def test_the_build_has_one_source():
     """The kernel's nq-build line is what the launcher reads and what compile_options passes."""
-    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP", "NQ_RS_KG", "NQ_RS_PROBE"}
+    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP", "NQ_RS_KG", "NQ_RS_WSMEM", "NQ_RS_PROBE"}
     opts = cuda_build.compile_options(None, cuda_build.planned_defines("lab/prefill_rs", None), include_cuda=False,
                                       name="lab/prefill_rs")
     for k, v in prefill_rs.RS_BUILD.items():

@@ -26,18 +26,18 @@ from bench_prefill import median_us  # noqa: E402
 from nanoqwen_lib import config  # noqa: E402
 from nanoqwen_lib.format.layout import decode_gemv_shapes  # noqa: E402
 
-BUILDS = {"rs": {}, "rs overlap": {"NQ_RS_OVERLAP": 1}, "rs bm64": {"NQ_RS_BM": 64},
-          "rs 3 consumers": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
-          "rs 3c pf2": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PF": 2},
-          "rs 3c st4": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 4},
-          "rs 3c st8": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 8},
-          "rs 3c bm64": {"NQ_RS_CWG": 3, "NQ_RS_BM": 64, "NQ_RS_STAGES": 8},
-          "rs 2c pf2": {"NQ_RS_PF": 2},
-          "rs kg2": {"NQ_RS_KG": 2},      # three consumers with KG 2 spill (128 registers a thread)
+BUILDS = {"rs": {}, "rs 3 consumers": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, "rs kg2": {"NQ_RS_KG": 2},
+          "rs 3c kg2": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_KG": 2},
+          "rs 3c st4": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 4}, "rs 3c st8": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 8},
+          "rs 3c bm64": {"NQ_RS_CWG": 3, "NQ_RS_BM": 64, "NQ_RS_STAGES": 8}, "rs bm64": {"NQ_RS_BM": 64},
+          # W by LDG into registers (the first build measured; PERFLOG says why it waits)
+          "rs global": {"NQ_RS_WSMEM": 0}, "rs global 3c": {"NQ_RS_WSMEM": 0, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
+          "rs global overlap": {"NQ_RS_WSMEM": 0, "NQ_RS_OVERLAP": 1},
           "probe wgmma only": {"NQ_RS_PROBE": 1}, "probe convert only": {"NQ_RS_PROBE": 2},
           "probe 3c wgmma only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 1},
-          "probe 3c convert only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 2}}
-DEFAULT_BUILDS = ("rs", "rs overlap", "rs bm64", "rs 3 consumers")
+          "probe 3c convert only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 2},
+          "probe global wgmma only": {"NQ_RS_WSMEM": 0, "NQ_RS_PROBE": 1}}
+DEFAULT_BUILDS = ("rs", "rs 3 consumers", "rs kg2", "rs global", "rs global 3c")
 
 
 def main() -> None:
@@ -69,6 +69,7 @@ def one_shape(cp, ops_prefill, prefill_rs, rng, name, n, k, t, a) -> dict:
     words = cp.asarray(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
     scales = cp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16))
     w_rs = cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
+    s_rs = cp.asarray(prefill_rs.rs_scales(cp.asnumpy(scales)))
     x = cp.asarray(rng.standard_normal((t, k)).astype(np.float16))
     ref, out = cp.empty((t, n), cp.float16), cp.empty((t, n), cp.float16)
     ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma")
@@ -80,12 +81,12 @@ def one_shape(cp, ops_prefill, prefill_rs, rng, name, n, k, t, a) -> dict:
     for b in a.builds:
         change = BUILDS[b]
         out.fill(np.nan)
-        prefill_rs.gemm_int4_rs(x, w_rs, scales, out, **change)
+        prefill_rs.gemm_int4_rs(x, w_rs, scales, out, scales_rs=s_rs, **change)
         if not b.startswith("probe"):
             d = cp.abs(out.astype(cp.float32) - ref.astype(cp.float32))
             tol = 4 * cp.maximum(cp.abs(ref.astype(cp.float32)) * 2.0**-10, 2.0**-14)
             res[b + " mismatches"] = int(cp.count_nonzero(~(d <= tol)))
-        res[b] = median_us(lambda: prefill_rs.gemm_int4_rs(x, w_rs, scales, out, **change), 5, a.reps)
+        res[b] = median_us(lambda: prefill_rs.gemm_int4_rs(x, w_rs, scales, out, scales_rs=s_rs, **change), 5, a.reps)
     line = f"{name:<8} N {n:>6} K {k:>6}: " + ", ".join(
         f"{key} {res[key]:.1f} ({flop / res[key] / 1e6:.0f})" + (f" [{res[key + ' mismatches']} off]"
                                                                if key + " mismatches" in res else "")

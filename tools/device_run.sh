@@ -200,8 +200,8 @@ PY
       # RS_NCU builds (default: the three-consumer build and its wgmma-only probe) on gate_up
       t0=$(date +%s)
       timeout 300 python3 tools/bench_prefill_rs.py --tokens ${RS_TOKENS:-512} --builds rs "rs 3 consumers" "rs kg2" \
-        "rs 3c pf2" "rs 3c st4" "rs 3c st8" "rs 3c bm64" "rs 2c pf2" "probe wgmma only" "probe convert only" \
-        "probe 3c wgmma only" "probe 3c convert only" --json $OUT/rs-sweep.json 2>&1 | tee $OUT/rs-sweep.log | tail -6
+        "rs 3c kg2" "rs 3c st4" "rs 3c st8" "rs 3c bm64" "rs global" "rs global 3c" "probe wgmma only" "probe convert only" \
+        "probe 3c wgmma only" "probe 3c convert only" "probe global wgmma only" --json $OUT/rs-sweep.json 2>&1 | tee $OUT/rs-sweep.log | tail -6
       IFS='|' read -ra builds <<< "${RS_NCU:-rs 3 consumers|probe 3c wgmma only}"
       for b in "${builds[@]}"; do
         f=$OUT/ncu-$(echo "$b" | tr ' ' _).txt

@@ -1,9 +1,11 @@
 """The lab's INT4 prefill GEMM in wgmma's RS form (kernels/lab/prefill_rs.cu, sm_90a): the weight
 is wgmma's A operand from registers, converted there from packed INT4, X the B operand by TMA.
-Issue 29's first step; not yet run on a GPU (PERFLOG, "Issue 29 ... RS form").
+Issue 29's first step; PERFLOG ("Issue 29 ...") says which builds ran on the H200 and how fast.
 
     rs_order(words)                      ValueShuffle words [N, K/8] -> the kernel's order (uint32)
-    gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, **build)
+    rs_scales(scales)                    scales fp16 [N, K/128] -> [ceil(N/64), K/128, 64] (the
+                                         shared-memory path's: one 128-byte copy a block and group)
+    gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None, **build)
                                          Y = fp16(X W^T [+ bias] [+ residual]), ops_prefill's contract
 
 The RS order is a one-off reorder of the packed words (the same codes and nibble encoding: one
@@ -46,9 +48,25 @@ def rs_order(words) -> np.ndarray:
     return quant.pack_int4_value_shuffle(vec).reshape(nb, k // 64, 4, 32, 4)
 
 
+def rs_scales(scales) -> np.ndarray:
+    """Scales fp16 [N, K/128] -> [ceil(N/64), K/128, 64]: a feature block's 64 scales of one group
+    contiguous (rows past N hold 0; their outputs are not stored)."""
+    scales = np.asarray(scales)
+    if scales.dtype != np.float16 or scales.ndim != 2:
+        raise NanoqwenError("lab.prefill_rs.rs_scales", "scales", "fp16 [N, K/128]", f"{scales.dtype} {scales.shape}")
+    n_rows, groups = scales.shape
+    nb = -(-n_rows // ROWS)
+    out = np.zeros((nb * ROWS, groups), np.float16)
+    out[:n_rows] = scales
+    return np.ascontiguousarray(out.reshape(nb, ROWS, groups).transpose(0, 2, 1))
+
+
 def smem_bytes(build: dict) -> int:
-    """Dynamic shared memory of nq_prefill_rs: the X ring, 1024 bytes of alignment slack, the barriers."""
-    return build["NQ_RS_STAGES"] * build["NQ_RS_BM"] * 128 + 1024 + 2 * 8 * build["NQ_RS_STAGES"]
+    """Dynamic shared memory of nq_prefill_rs: the X ring (and with NQ_RS_WSMEM each stage's packed W,
+    2048 bytes, and scales, 128 bytes, per consumer warpgroup), 1024 bytes of alignment slack, the
+    barriers (kernels/lab/prefill_rs.cu: RING_BYTES)."""
+    w_stage = build["NQ_RS_CWG"] * (2048 + 128) if build["NQ_RS_WSMEM"] else 0
+    return build["NQ_RS_STAGES"] * (build["NQ_RS_BM"] * 128 + w_stage) + 1024 + 2 * 8 * build["NQ_RS_STAGES"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,9 +77,10 @@ def _kernel(build_items: tuple):
     return kern
 
 
-def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, **build) -> None:
+def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None, **build) -> None:
     """out[T, N] = fp16(x W^T [+ bias] [+ residual]) on the GPU; x fp16 [T, K], w_rs the RS order
-    of W (rs_order, on the device), scales fp16 [N, K/128]; build: RS_BUILD's names to override."""
+    of W (rs_order, on the device), scales fp16 [N, K/128], scales_rs their RS order (rs_scales, on
+    the device; the shared-memory path, NQ_RS_WSMEM=1, needs it); build: RS_BUILD's names to override."""
     from nanoqwen_lib.gpu import tensor_map
 
     where = "lab.prefill_rs.gemm_int4_rs"
@@ -83,11 +102,16 @@ def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, **build) -> Non
         check_device_buffer(where, "bias", bias, np.float16, (n,))
     if residual is not None:
         check_device_buffer(where, "residual", residual, np.float16, (t, n))   # may be `out` (in place)
+    if b["NQ_RS_WSMEM"]:
+        if scales_rs is None:
+            raise NanoqwenError(where, "scales_rs", "the scales in the RS order (rs_scales) for NQ_RS_WSMEM=1", None)
+        check_device_buffer(where, "scales_rs", scales_rs, np.float16, (-(-n // ROWS), k // quant.GROUP_SIZE, ROWS))
     if t * k >= 2**31 or t * n >= 2**31:
         raise NanoqwenError(where, "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
     xmap = tensor_map.device_map(x, (b["NQ_RS_BM"], 64), swizzle="128B")
     grid = (-(-n // (ROWS * b["NQ_RS_CWG"])), -(-t // b["NQ_RS_BM"]))
     _kernel(tuple(sorted(b.items())))(
         grid, (128 * (1 + b["NQ_RS_CWG"]),),
-        (x, w_rs, scales, device_ptr(bias), device_ptr(residual), out, np.int32(t), np.int32(n), np.int32(k), xmap),
+        (x, w_rs, scales, device_ptr(scales_rs), device_ptr(bias), device_ptr(residual), out,
+         np.int32(t), np.int32(n), np.int32(k), xmap),
         shared_mem=smem_bytes(b))
