@@ -145,6 +145,25 @@ __device__ __forceinline__ void fragments(uint32_t (&a)[4][4], const uint4& wq, 
 #endif
 }
 
+// The wgmma group of k-tiles 0..j of a group (their fragments converted, their stages full):
+// issued, waited for, and their stages released (one arrival per warp).
+__device__ __forceinline__ void issue_group(float (&acc)[BM / 2], const uint32_t (&frag)[KG][4][4],
+                                            const uint32_t (&group_b)[KG], const uint32_t (&group_stage)[KG], int j,
+                                            uint64_t* empty, bool leader) {
+  hopper::wgmma_fence();
+#pragma unroll
+  for (int q = 0; q < KG; ++q)
+    if (q <= j) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::wgmma_f16_rs<BM>(acc, frag[q][s], desc_sw128(group_b[q] + 32 * s), 1);
+    }
+  hopper::wgmma_commit();
+  hopper::wgmma_wait<0>();   // the group is done: its stages and fragments are free
+#pragma unroll
+  for (int q = 0; q < KG; ++q)
+    if (q <= j && leader) hopper::mbar_arrive(&empty[group_stage[q]]);
+}
+
 // The shared-memory path (NQ_RS_WSMEM 1): per k-tile, wait for the stage, read this thread's 16
 // bytes of W and its two rows' scales from it, convert, and issue (KG k-tiles a group).
 __device__ __forceinline__ void consumer_smem(unsigned char* smem, uint64_t* full, uint64_t* empty, int cw, int KT,
@@ -176,20 +195,7 @@ __device__ __forceinline__ void consumer_smem(unsigned char* smem, uint64_t* ful
       if (leader) hopper::mbar_arrive(&empty[group_stage[j]]);
       continue;
 #endif
-      if (j == KG - 1 || kt == KT - 1) {   // the group's k-tiles are converted
-        hopper::wgmma_fence();
-#pragma unroll
-        for (int q = 0; q < KG; ++q)
-          if (q <= j) {
-#pragma unroll
-            for (int s = 0; s < 4; ++s) wgmma::wgmma_f16_rs<BM>(acc, frag[q][s], desc_sw128(group_b[q] + 32 * s), 1);
-          }
-        hopper::wgmma_commit();
-        hopper::wgmma_wait<0>();   // the group is done: its stages and fragments are free
-#pragma unroll
-        for (int q = 0; q < KG; ++q)
-          if (q <= j && leader) hopper::mbar_arrive(&empty[group_stage[q]]);
-      }
+      if (j == KG - 1 || kt == KT - 1) issue_group(acc, frag, group_b, group_stage, j, empty, leader);
     }
   }
 }
@@ -260,20 +266,7 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
       group_b[j] = b;
       group_stage[j] = ring.stage;
       ring.advance();
-      if (j == KG - 1 || kt == KT - 1) {   // the group's k-tiles are converted and their stages full
-        hopper::wgmma_fence();
-#pragma unroll
-        for (int q = 0; q < KG; ++q)
-          if (q <= j) {
-#pragma unroll
-            for (int s = 0; s < 4; ++s) wgmma::wgmma_f16_rs<BM>(acc, frag[q][s], desc_sw128(group_b[q] + 32 * s), 1);
-          }
-        hopper::wgmma_commit();
-        hopper::wgmma_wait<0>();   // the group is done: its stages and fragments are free
-#pragma unroll
-        for (int q = 0; q < KG; ++q)
-          if (q <= j && leader) hopper::mbar_arrive(&empty[group_stage[q]]);
-      }
+      if (j == KG - 1 || kt == KT - 1) issue_group(acc, frag, group_b, group_stage, j, empty, leader);
 #endif
     }
   }
