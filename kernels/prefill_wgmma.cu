@@ -47,8 +47,9 @@
 // Consumers (registers raised by setmaxnreg.inc in the 384-thread builds): wait `full`, 4
 // wgmmas (one k-tile), commit;
 // wait until one group is pending, i.e. the previous k-tile's group is done, and release its
-// stage. FP8: the tensor core's accumulator keeps fewer bits than FP32 (lab/wgmma_fp8.cu), so each
-// stage (128 k) is summed into a fresh fragment, waited for, and added into the FP32 total.
+// stage. FP8: the tensor core's accumulator keeps fewer bits than FP32 (lab/wgmma_fp8.cu), so every
+// NQ_PW_FP8_PROMOTE k of a stage are summed into a fresh fragment, waited for, and added into the
+// FP32 total (the interval: chapter 12 measures the error of each against float64).
 //
 // SwiGLU: the CTA's B tile takes BN/2 gate rows n0.. and the BN/2 up rows I + n0.., so thread
 // column c < BN/2 holds g and column c + BN/2 holds u of the same feature n0 + c.
@@ -76,6 +77,9 @@
 #endif
 #ifndef NQ_PW_CONSUMER_REGS
 #error "NQ_PW_CONSUMER_REGS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PW_FP8_PROMOTE   // FP8: k values per promotion of the tensor core's sums into FP32
+#error "NQ_PW_FP8_PROMOTE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
 #ifndef NQ_PW_BM
 #error "NQ_PW_BM: set by nanoqwen_lib.config (nanoqwen.yaml geometry)"
@@ -106,6 +110,11 @@ constexpr int THREADS = NQ_PW_THREADS;       // FP8 (and INT4 at BN > NQ_PW_INT4
 // tiles keep 1 producer warpgroup and 384 threads.
 constexpr int INT4_PWGS = BN <= NQ_PW_INT4_2P_MAX_BN ? 2 : 1;
 constexpr int INT4_THREADS = 128 * (INT4_PWGS + 2);
+// FP8: k values summed in the tensor core's accumulator before each promotion into FP32 (32,
+// 64 or 128: one, two or four k32 wgmmas a group).
+constexpr int FP8_PROMOTE = NQ_PW_FP8_PROMOTE;
+constexpr int FP8_STEPS = FP8_PROMOTE / 32;
+static_assert(FP8_PROMOTE == 32 || FP8_PROMOTE == 64 || FP8_PROMOTE == 128, "NQ_PW_FP8_PROMOTE: 32, 64 or 128");
 constexpr int PF = NQ_PW_PREFETCH;           // scale register ring depth (k-tiles ahead)
 // A stage: A (X, BM rows of 128 bytes, 128B swizzle), B (BN operand rows of 128 bytes), R (INT4:
 // the packed words of the BN weight rows, 32 bytes each, padded to 1 KiB; unused by FP8).
@@ -306,15 +315,23 @@ __device__ __forceinline__ void mainloop(float (&acc)[BN / 2], unsigned char* sm
     const uint32_t a = base + ring.stage * STAGE_BYTES + wg * (64 * ROW);
     const uint32_t b = base + ring.stage * STAGE_BYTES + A_BYTES;
     if constexpr (MODE == kFp8) {
+      // Promotion every FP8_PROMOTE k: each group of FP8_STEPS k32 wgmmas sums into a fresh
+      // fragment (scale-d 0 on its first), which is waited for and added into the FP32 total.
       float part[BN / 2];
-      hopper::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < ROW / 32; ++s) wgmma::wgmma_e4m3<BN>(part, desc_sw128(a + 32 * s), desc_sw128(b + 32 * s), s);
-      hopper::wgmma_commit();
-      hopper::wgmma_wait<0>();
-      if (leader) hopper::mbar_arrive(&empty[ring.stage]);
+      for (int g = 0; g < ROW / FP8_PROMOTE; ++g) {
+        hopper::wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];   // promotion: FP32 adds every 128 k
+        for (int s = 0; s < FP8_STEPS; ++s) {
+          const int ks = g * FP8_STEPS + s;
+          wgmma::wgmma_e4m3<BN>(part, desc_sw128(a + 32 * ks), desc_sw128(b + 32 * ks), s);
+        }
+        hopper::wgmma_commit();
+        hopper::wgmma_wait<0>();
+        if (g == ROW / FP8_PROMOTE - 1 && leader) hopper::mbar_arrive(&empty[ring.stage]);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
+      }
     } else {
       hopper::wgmma_fence();
 #pragma unroll

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nanoqwen_lib.gpu import ops_fp8, ops_prefill
+from nanoqwen_lib.gpu import ops_fp8, ops_prefill_mma, ops_prefill_wgmma
 
 from .stand_in import stand_in_cupy, stand_in_engine
 
@@ -26,10 +26,12 @@ def recorded(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "cupy", stand_in_cupy)
     monkeypatch.setattr(ops_fp8, "_kernel", kernel)
-    monkeypatch.setattr(ops_prefill, "_gemm_kernel", lambda name, *a: kernel(name))
-    monkeypatch.setattr(ops_prefill, "_wgmma_kernel", lambda name, *a: kernel(name))
-    monkeypatch.setattr(ops_prefill, "num_sms", lambda: 132)          # the H200's, for the plans
-    monkeypatch.setattr(ops_prefill, "workspace", lambda: (None, None))
+    # each name in the module that owns it (ops_prefill only re-exports them)
+    monkeypatch.setattr(ops_prefill_mma, "_gemm_kernel", lambda name, *a: kernel(name))
+    monkeypatch.setattr(ops_prefill_wgmma, "_wgmma_kernel", lambda name, *a: kernel(name))
+    for mod in (ops_prefill_mma, ops_prefill_wgmma):                   # plan_gemm's, plan_wgmma's
+        monkeypatch.setattr(mod, "num_sms", lambda: 132)              # the H200's, for the plans
+    monkeypatch.setattr(ops_prefill_mma, "workspace", lambda: (None, None))   # every split-K GEMM's
     from nanoqwen_lib.gpu import tensor_map
 
     def device_map(array, box, *, swizzle="128B"):     # the map's checks, without the driver
@@ -104,9 +106,9 @@ def test_prefill_projection_kernels_per_gemm(recorded, gemm, dims_name, t, start
                 got[name] = [c[0] for c in recorded]
                 for kname, _, block in recorded:   # the wgmma block size per kernel (v5: INT4 bn <= 128: 512)
                     if kname == "nq_prefill_wgmma_fp8":
-                        assert block == (ops_prefill.WGMMA_THREADS,), (kname, block)
+                        assert block == (ops_prefill_wgmma.WGMMA_THREADS,), (kname, block)
                     elif kname.startswith("nq_prefill_wgmma"):
-                        assert block[0] in (ops_prefill.WGMMA_THREADS, 512), (kname, block)
+                        assert block[0] in (ops_prefill_wgmma.WGMMA_THREADS, 512), (kname, block)
         assert got == want, (encoding, gemm)
 
 
@@ -116,7 +118,7 @@ def test_int4_wgmma_block_size_follows_the_build(recorded, bn, split):
     (512 threads), the wider builds 384: the launchers pass the build's block size."""
     import numpy as np
     from nanoqwen_lib.gpu.ops_prefill import gemm_int4, gemm_int4_gate_up_swiglu, wgmma_int4_threads
-    want = 512 if bn <= ops_prefill.WGMMA_INT4_2P_MAX_BN else 384
+    want = 512 if bn <= ops_prefill_wgmma.WGMMA_INT4_2P_MAX_BN else 384
     assert wgmma_int4_threads(bn) == want
     from .stand_in import HostDeviceArray
 

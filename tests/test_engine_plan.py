@@ -112,4 +112,8 @@ def test_prefill_breakdown_table_formats():
          "regions": {"gate_up_gemm": {"ms": 2.0, "flops": 790e9, "tflops": 395.0, "floor_ms": 1.0},
                      "norms": {"ms": 1.0, "flops": 0, "tflops": None, "floor_ms": None}}}
     text = format_prefill_breakdown(b)
-    assert "gate_up_gemm" in text and "50.0%" in text and "33.3%" in text
+    assert "gate_up_gemm" in text and "50.0%" in text and "33.3%" in text and "cuBLAS ms" not in text
+    b["regions"]["gate_up_gemm"]["cublas_ms"] = 0.8              # bench --breakdown: dense FP16 beside it
+    text = format_prefill_breakdown(b)
+    row = next(line for line in text.splitlines() if line.startswith("gate_up_gemm"))
+    assert "cuBLAS ms" in text and row.split()[-2:] == ["0.800", "2.50x"], row

@@ -69,3 +69,32 @@ def test_rs_gemm_odd_shapes(rng, t, n, k):
                                    {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_KG": 2}])
 def test_rs_gemm_builds(rng, build):
     run_rs(rng, 512, 3584, 3584, bias=False, residual=True, **build)
+
+
+@pytest.mark.parametrize("t, i, k, build", [(512, 18944, 3584, {}), (17, 18944, 3584, {}),
+                                             (130, 40, 256, {}), (512, 2432, 896, {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6})])
+def test_rs_swiglu_is_the_plain_gemm_then_the_act(rng, t, i, k, build):
+    """The SwiGLU epilogue (gate_up in the SwiGLU row order) gives the bits of the plain RS GEMM
+    into [g | u] followed by ops_prefill.swiglu_act: every element, act poisoned first; the plain
+    GEMM itself is checked against float64 on the way."""
+    from nanoqwen_lib.gpu import ops_prefill
+
+    words, scales = rand_int4(rng, 2 * i, k)
+    x = rand16(rng, (t, k))
+    ref, absdot = int4_ref(x, words, scales)
+    gate_up = cp.empty((t, 2 * i), cp.float16)
+    gate_up.fill(np.nan)
+    prefill_rs.gemm_int4_rs(x, cp.asarray(prefill_rs.rs_order(cp.asnumpy(words))), scales, gate_up,
+                            scales_rs=cp.asarray(prefill_rs.rs_scales(cp.asnumpy(scales))), **build)
+    cp.cuda.Device().synchronize()
+    check_int4(f"rs gate_up T={t} I={i} K={k}", gate_up, ref, absdot, k)
+    want = cp.empty((t, i), cp.float16)
+    ops_prefill.swiglu_act(gate_up, want)
+    sw, ss = prefill_rs.swiglu_rows(cp.asnumpy(words), cp.asnumpy(scales))
+    act = cp.empty((t, i), cp.float16)
+    act.fill(np.nan)
+    prefill_rs.gemm_int4_rs_swiglu(x, cp.asarray(prefill_rs.rs_order(sw)), cp.asarray(prefill_rs.rs_scales(ss)), act,
+                                   **build)
+    cp.cuda.Device().synchronize()
+    bad = int(cp.count_nonzero(act.view(cp.uint16) != want.view(cp.uint16)))
+    assert bad == 0, f"SwiGLU epilogue T={t} I={i}: {bad} of {act.size} outputs differ from GEMM + swiglu_act"

@@ -180,13 +180,13 @@ def test_decode_planners_read_the_override(sms):
 
 
 def test_prefill_planner_reads_the_override(sms):
-    from nanoqwen_lib.gpu import ops_prefill
+    from nanoqwen_lib.gpu import ops_prefill_wgmma
     picks = {}
     for n in (132, 114, 78):
         sms(n)
-        assert ops_prefill.num_sms() == n
-        picks[n] = [ops_prefill.plan_wgmma(512, nn, k) for nn, k in ((4608, 3584), (3584, 3584), (37888, 3584),
-                                                                     (3584, 18944))]
+        assert ops_prefill_wgmma.num_sms() == n
+        picks[n] = [ops_prefill_wgmma.plan_wgmma(512, nn, k) for nn, k in ((4608, 3584), (3584, 3584), (37888, 3584),
+                                                                           (3584, 18944))]
     assert len({tuple(p) for p in picks.values()}) > 1, picks
 
 

@@ -145,6 +145,22 @@ def test_sass_of_the_wgmma_prefill(bn):
             assert not re.search(r"\b(LDL|STL)\b", body), f"{kernel} bn={bn}: local memory"
 
 
+@pytest.mark.parametrize("promote", [32, 64, 128])
+def test_fp8_wgmma_promotes_every_interval(promote):
+    """NQ_PW_FP8_PROMOTE: the FP8 consumer's k loop (4 QGMMA a 128-k stage) waits for the tensor
+    core once per interval, 128 / promote times a stage, before each FP32 add; no spill."""
+    if cuda_build.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (the cuda13 extra brings it)")
+    build = {"NQ_PW_FP8_PROMOTE": promote, "NQ_PW_BN": 128}
+    _, log = cuda_build.compile_cubin("prefill_wgmma", None, build)
+    assert all("0 bytes spill" in ln for ln in cuda_build.resource_report(log) if "spill" in ln), log
+    loops = [lp for lp in cuda_build.sass_loops(cuda_build.sass("prefill_wgmma", None, build), "nq_prefill_wgmma_fp8")
+             if any(o.startswith("QGMMA") for o in lp)]
+    assert len(loops) == 1, len(loops)
+    assert sum(o.startswith("QGMMA") for o in loops[0]) == 4
+    assert sum(o.startswith("WARPGROUP.DEPBAR") for o in loops[0]) == 128 // promote
+
+
 def test_sass_classes():
     """Every class present, in order; an opcode goes to the first class that names it or its
     dotted prefix; what no class names is "other"."""

@@ -73,6 +73,28 @@ def test_rs_scales_put_each_block_and_group_together(rng, n, k):
         prefill_rs.rs_scales(scales.astype(np.float32))
 
 
+@pytest.mark.parametrize("i, k", [(64, 128), (40, 256)])
+def test_swiglu_rows_give_one_thread_the_gate_and_up_of_a_feature(rng, i, k):
+    """After swiglu_rows and rs_order, the thread whose fragments hold rows 16 w + g and
+    16 w + g + 8 of block b holds gate row f = 32 b + 8 w + g and up row I + f of the file's
+    gate_up (the SwiGLU epilogue's reading), every code of both, zeros for f >= I."""
+    codes = rng.integers(-8, 8, size=(2 * i, k), dtype=np.int8)
+    scales = rng.uniform(0.001, 0.02, size=(2 * i, k // quant.GROUP_SIZE)).astype(np.float16)
+    words, sc = prefill_rs.swiglu_rows(quant.pack_int4_value_shuffle(codes), scales)
+    nb = -(-i // 32)
+    assert words.shape == (64 * nb, k // 8) and sc.shape == (64 * nb, k // quant.GROUP_SIZE)
+    got = fragment_codes(prefill_rs.rs_order(words))
+    for b, w, g in np.ndindex(nb, 4, 8):
+        f, row = 32 * b + 8 * w + g, 64 * b + 16 * w + g
+        for col in range(k):
+            assert got[(row, col)] == (codes[f, col] if f < i else 0), (b, w, g, col)
+            assert got[(row + 8, col)] == (codes[i + f, col] if f < i else 0), (b, w, g, col)
+        want = (scales[f], scales[i + f]) if f < i else (0, 0)
+        assert (sc[row] == want[0]).all() and (sc[row + 8] == want[1]).all()
+    with pytest.raises(NanoqwenError, match="2I"):
+        prefill_rs.swiglu_rows(np.zeros((3, 16), np.uint32), np.zeros((3, 1), np.float16))
+
+
 def test_rs_order_refuses_what_it_cannot_lay_out():
     with pytest.raises(NanoqwenError, match="multiple of 128"):
         prefill_rs.rs_order(np.zeros((64, 8), np.uint32))     # K = 64
@@ -83,7 +105,8 @@ def test_rs_order_refuses_what_it_cannot_lay_out():
 BUILDS = [{}, {"NQ_RS_OVERLAP": 1, "NQ_RS_WSMEM": 0}, {"NQ_RS_BM": 64}, {"NQ_RS_CWG": 1},
           {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, {"NQ_RS_KG": 2}, {"NQ_RS_WSMEM": 0},
           {"NQ_RS_WSMEM": 0, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
-          {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_KG": 2}]   # the default and tests/test_gpu_prefill_rs.py's
+          {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_KG": 2}, {"NQ_RS_SWIGLU": 1},
+          {"NQ_RS_SWIGLU": 1, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}]   # the default and tests/test_gpu_prefill_rs.py's
 
 
 @pytest.mark.parametrize("change", BUILDS, ids=lambda b: ",".join(f"{k[6:]}={v}" for k, v in b.items()) or "default")
@@ -125,7 +148,8 @@ def test_rs_probes_build(probe, wsmem):
 
 def test_the_build_has_one_source():
     """The kernel's nq-build line is what the launcher reads and what compile_options passes."""
-    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP", "NQ_RS_KG", "NQ_RS_WSMEM", "NQ_RS_PROBE"}
+    assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP", "NQ_RS_KG", "NQ_RS_WSMEM", "NQ_RS_PROBE",
+                                       "NQ_RS_SWIGLU"}
     opts = cuda_build.compile_options(None, cuda_build.planned_defines("lab/prefill_rs", None), include_cuda=False,
                                       name="lab/prefill_rs")
     for k, v in prefill_rs.RS_BUILD.items():

@@ -1,11 +1,12 @@
-"""The wgmma GEMM's launch planning and option checks on the CPU (ops_prefill.plan_wgmma,
-the kernel choice of gemm_int4, the shared-memory budget of every build)."""
+"""The wgmma GEMM's launch planning and option checks on the CPU (ops_prefill_wgmma.plan_wgmma,
+the kernel choice of ops_prefill.gemm_int4, the shared-memory budget of every build)."""
 import pytest
 
 from nanoqwen_lib import config
 from nanoqwen_lib.errors import NanoqwenError
 from nanoqwen_lib.format.layout import decode_gemv_shapes
-from nanoqwen_lib.gpu import ops_prefill as op
+from nanoqwen_lib.gpu import ops_prefill
+from nanoqwen_lib.gpu import ops_prefill_wgmma as op
 
 SMEM_LIMIT = 227 * 1024        # the H200's per-block dynamic shared memory
 
@@ -55,12 +56,13 @@ def test_stages_fill_shared_memory():
 
 
 def test_kernel_choice():
-    assert op._kernel_choice("gemm_int4", None, 4608) == op.DEFAULT_GEMM_KERNEL
-    assert op._kernel_choice("gemm_int4", None, 4608, bm=64) == "mma"      # an mma option picks mma
-    assert op._kernel_choice("gemm_int4", None, 7) == "mma"                # N not a multiple of 8
+    choice = ops_prefill._kernel_choice
+    assert choice("gemm_int4", None, 4608) == ops_prefill.DEFAULT_GEMM_KERNEL
+    assert choice("gemm_int4", None, 4608, bm=64) == "mma"      # an mma option picks mma
+    assert choice("gemm_int4", None, 7) == "mma"                # N not a multiple of 8
     for kw, field in ((dict(kernel="wgmma", bm=64), "bm"), (dict(kernel="wgmma", warps_m=4), "warps_m"),
                       (dict(kernel="mma", bn=128), "bn"), (dict(kernel="cutlass"), "kernel")):
         kernel = kw.pop("kernel")
         with pytest.raises(NanoqwenError) as ei:
-            op._kernel_choice("gemm_int4", kernel, 4608, **kw)
+            choice("gemm_int4", kernel, 4608, **kw)
         assert ei.value.field == field and "ops_prefill.gemm_int4" in str(ei.value)

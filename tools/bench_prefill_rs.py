@@ -87,10 +87,26 @@ def one_shape(cp, ops_prefill, prefill_rs, rng, name, n, k, t, a) -> dict:
             tol = 4 * cp.maximum(cp.abs(ref.astype(cp.float32)) * 2.0**-10, 2.0**-14)
             res[b + " mismatches"] = int(cp.count_nonzero(~(d <= tol)))
         res[b] = median_us(lambda: prefill_rs.gemm_int4_rs(x, w_rs, scales, out, scales_rs=s_rs, **change), 5, a.reps)
+    swiglu = []
+    if name == "gate_up":   # the MLP's first GEMM with its SwiGLU: the engine's fused wgmma, and the RS epilogue
+        i = n // 2
+        act = cp.empty((t, i), cp.float16)
+        res["wgmma plan swiglu"] = median_us(lambda: ops_prefill.gemm_int4_gate_up_swiglu(x, words, scales, act),
+                                             5, a.reps)
+        sw, ss = prefill_rs.swiglu_rows(cp.asnumpy(words), cp.asnumpy(scales))
+        sw_rs, ss_rs = cp.asarray(prefill_rs.rs_order(sw)), cp.asarray(prefill_rs.rs_scales(ss))
+        swiglu = ["wgmma plan swiglu"]
+        for b in a.builds:
+            change = BUILDS[b]
+            if b.startswith("probe") or not change.get("NQ_RS_WSMEM", 1):
+                continue
+            res[b + " swiglu"] = median_us(lambda: prefill_rs.gemm_int4_rs_swiglu(x, sw_rs, ss_rs, act, **change),
+                                           5, a.reps)
+            swiglu.append(b + " swiglu")
     line = f"{name:<8} N {n:>6} K {k:>6}: " + ", ".join(
         f"{key} {res[key]:.1f} ({flop / res[key] / 1e6:.0f})" + (f" [{res[key + ' mismatches']} off]"
                                                                if key + " mismatches" in res else "")
-        for key in ("cublas fp16", "wgmma plan", *a.builds))
+        for key in ("cublas fp16", "wgmma plan", *a.builds, *swiglu))
     print(line, flush=True)
     return res
 

@@ -199,10 +199,12 @@ PY
       # the RS GEMM's builds and probes on the 7B's shapes at T = 512 (RS_TOKENS), then ncu's view of
       # RS_NCU builds (default: the three-consumer build and its wgmma-only probe) on gate_up
       t0=$(date +%s)
-      timeout 300 python3 tools/bench_prefill_rs.py --tokens ${RS_TOKENS:-512} --builds rs "rs 3 consumers" "rs kg2" \
-        "rs 3c kg2" "rs 3c st4" "rs 3c st8" "rs 3c bm64" "rs global" "rs global 3c" "probe wgmma only" "probe convert only" \
-        "probe 3c wgmma only" "probe 3c convert only" "probe global wgmma only" --json $OUT/rs-sweep.json 2>&1 | tee $OUT/rs-sweep.log | tail -6
+      # RS_BUILDS: '|'-separated build names (default: all below); RS_NCU=none skips ncu
+      IFS='|' read -ra rsb <<< "${RS_BUILDS:-rs|rs 3 consumers|rs kg2|rs 3c kg2|rs 3c st4|rs 3c st8|rs 3c bm64|rs global|rs global 3c|probe wgmma only|probe convert only|probe 3c wgmma only|probe 3c convert only|probe global wgmma only}"
+      timeout ${RS_TIMEOUT:-300} python3 tools/bench_prefill_rs.py --tokens ${RS_TOKENS:-512} --builds "${rsb[@]}" \
+        --json $OUT/rs-sweep.json 2>&1 | tee $OUT/rs-sweep.log | tail -6
       IFS='|' read -ra builds <<< "${RS_NCU:-rs 3 consumers|probe 3c wgmma only}"
+      [ "${RS_NCU:-}" = none ] && builds=()
       for b in "${builds[@]}"; do
         f=$OUT/ncu-$(echo "$b" | tr ' ' _).txt
         timeout 120 ncu --clock-control none --kernel-name nq_prefill_rs --launch-count 1 --section SpeedOfLight \
@@ -214,9 +216,15 @@ PY
     rs-gemm)
       # the lab's RS-form INT4 GEMM (issue 29): its GPU tests, then timed beside the wgmma plan and cuBLAS
       t0=$(date +%s)
-      timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_prefill_rs.py 2>&1 | tee $OUT/rs-gemm-tests.log | tail -6
-      timeout 200 python3 tools/bench_prefill_rs.py --json $OUT/bench-prefill-rs.json 2>&1 | tee $OUT/bench-prefill-rs.log | tail -8
+      timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider ${RS_TEST_ARGS:-} tests/test_gpu_prefill_rs.py 2>&1 | tee $OUT/rs-gemm-tests.log | tail -6
+      [ -n "${RS_NO_BENCH:-}" ] || timeout 200 python3 tools/bench_prefill_rs.py --json $OUT/bench-prefill-rs.json 2>&1 | tee $OUT/bench-prefill-rs.log | tail -8
       echo "rs-gemm: $(( $(date +%s) - t0 )) s" ;;
+    fp8-promotion)
+      # the FP8 wgmma GEMM's error against float64 and the FP8 engine's greedy tokens per promotion interval
+      t0=$(date +%s)
+      timeout ${FP8_TIMEOUT:-240} python3 tools/fp8_promotion.py --json $OUT/fp8-promotion.json 2>&1 | grep -v '^\[' \
+        | tee $OUT/fp8-promotion.log | tail -24
+      echo "fp8-promotion: $(( $(date +%s) - t0 )) s" ;;
     bench-prefill) timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_prefill.py --json $OUT/bench-prefill.json 2>&1 | tee $OUT/bench-prefill.log | tail -30 ;;
     book)
       for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done

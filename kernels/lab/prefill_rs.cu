@@ -33,7 +33,7 @@
 #include "hopper.cuh"
 #include "lab/wgmma_rs_ops.cuh"
 
-// nq-build: NQ_RS_BM=128 NQ_RS_CWG=2 NQ_RS_STAGES=4 NQ_RS_PF=4 NQ_RS_OVERLAP=0 NQ_RS_KG=1 NQ_RS_WSMEM=1 NQ_RS_PROBE=0
+// nq-build: NQ_RS_BM=128 NQ_RS_CWG=2 NQ_RS_STAGES=4 NQ_RS_PF=4 NQ_RS_OVERLAP=0 NQ_RS_KG=1 NQ_RS_WSMEM=1 NQ_RS_PROBE=0 NQ_RS_SWIGLU=0
 // The build above reaches this file as -D (cuda_build.kernel_build); the launcher reads the same
 // line (nanoqwen_lib/gpu/lab/prefill_rs.py: RS_BUILD) and may override each name:
 //   NQ_RS_BM tokens per CTA (the wgmma N: 64, 128), NQ_RS_CWG consumer warpgroups (64 features each),
@@ -48,8 +48,15 @@
 //   NQ_RS_PROBE (timing probes, wrong values): 1 no conversion (the raw words are the fragments:
 //   loads, ring and wgmmas only), 2 no wgmma (loads, ring and conversion; the fragments folded
 //   into one accumulator so that they stay live).
+//   NQ_RS_SWIGLU 1 (gate_up only, with NQ_RS_WSMEM): W is gate_up in the SwiGLU row order (below) and
+//   the kernel stores act[T, I] = fp16(silu(fp16(g)) * fp16(u)) instead of [g | u]: the bits of the
+//   plain GEMM followed by nq_swiglu_act, without the [T, 2I] round trip through global memory.
+//
+// The SwiGLU row order (prefill_rs.py: swiglu_rows) interleaves gate and up so that one thread's two
+// rows are the gate and the up row of one feature: in feature block b (64 rows), row 16 w + g is
+// gate row f = 32 b + 8 w + g and row 16 w + g + 8 is up row I + f (rows of f >= I: code 0).
 #if !defined(NQ_RS_BM) || !defined(NQ_RS_CWG) || !defined(NQ_RS_STAGES) || !defined(NQ_RS_PF) || !defined(NQ_RS_OVERLAP) \
-    || !defined(NQ_RS_KG) || !defined(NQ_RS_WSMEM) || !defined(NQ_RS_PROBE)
+    || !defined(NQ_RS_KG) || !defined(NQ_RS_WSMEM) || !defined(NQ_RS_PROBE) || !defined(NQ_RS_SWIGLU)
 #error "NQ_RS_*: the nq-build line above, through nanoqwen_lib.gpu.cuda_build"
 #endif
 
@@ -69,6 +76,7 @@ static_assert((KG == 1 || KG == 2) && PF % KG == 0 && (KG == 1 || !NQ_RS_OVERLAP
               "KG: 1 or 2 k-tiles a group, dividing PF, not overlapped, fewer than the stages");
 static_assert(NQ_RS_PROBE == 0 || NQ_RS_PROBE == 1 || (NQ_RS_PROBE == 2 && !NQ_RS_OVERLAP), "probes: 1, 2 (not overlapped)");
 static_assert(!(NQ_RS_WSMEM && NQ_RS_OVERLAP), "the overlapped build reads W from global memory (NQ_RS_WSMEM 0)");
+static_assert(!NQ_RS_SWIGLU || NQ_RS_WSMEM, "SwiGLU: the shared-memory path (its scales come in the RS order)");
 static_assert(PF == 2 || PF == 4, "PF: 2 or 4 (the k loop is unrolled by it; fragments alternate)");
 static_assert(STAGES >= 2 && STAGES <= 8 && STAGE_BYTES % 1024 == 0, "2..8 stages, 1024-aligned");
 constexpr uint32_t kMagicLo = 0x64086408u, kMagicHi = 0x54805480u;   // prefill_gemm.cu's
@@ -80,8 +88,8 @@ struct Problem {
   const half* scales_rs;     // [ceil(N/64)][K/128][64] (NQ_RS_WSMEM), rows past N 0
   const half* bias;          // [N] or null
   const half* residual;      // [T, N] or null (may alias y)
-  half* y;                   // [T, N]
-  int T, N, K;
+  half* y;                   // [T, N] (NQ_RS_SWIGLU: act [T, N / 2])
+  int T, N, K;               // NQ_RS_SWIGLU: N = 2 I, the rows of gate_up
   const hopper::TensorMap* xmap;   // X: boxes of BM rows x 64 halves, 128B swizzle
 };
 
@@ -273,6 +281,23 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
   hopper::wgmma_wait<0>();
 #endif
   // acc[4j + r]: feature row 16 warp + g + 8 (r / 2) of this warpgroup's 64, token 8j + 2t + r % 2
+#if NQ_RS_SWIGLU
+  // rows r0 and r0 + 8 are the gate and the up row of act feature f (the SwiGLU row order)
+  const int I = p.N / 2, f = 32 * (n0 / 64 + cw) + 8 * warp + g;
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int tok = m0 + 8 * j + 2 * t + r;
+      if (f < I && tok < p.T) {
+        const float gh = __half2float(__float2half_rn(acc[4 * j + r]));
+        const float uh = __half2float(__float2half_rn(acc[4 * j + 2 + r]));
+        p.y[(size_t)tok * I + f] = __float2half_rn(gh / (1.0f + expf(-gh)) * uh);   // prefill_gemm.cu's silu_mul
+      }
+    }
+  }
+  return;
+#endif
 #pragma unroll
   for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll

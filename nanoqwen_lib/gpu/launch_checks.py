@@ -1,10 +1,20 @@
-"""What every launcher asserts about a device buffer before a kernel sees it."""
+"""What every launcher asserts about a device buffer before a kernel sees it.
+
+    check_device_buffer(where, field, a, dtype, shape)   a CuPy array: dtype, shape, C-contiguous, 128-byte aligned
+    check_no_alias(where, field, a, b, other)            a and b are not one buffer
+    device_ptr(a)                                        an optional buffer's kernel argument (0 for None)
+    check_int4_weights(where, qweight, scales)           (N, K) of a packed INT4 projection
+    check_tokens(where, field, a)                        T of a [T, features] activation
+    check_prefill_gemm(where, x, out, n, k, ...)         T of a prefill GEMM's x, out, bias, residual
+
+`where` is the public launcher an error names (e.g. "ops_prefill.gemm_int4").
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from nanoqwen_lib.config import load
-from nanoqwen_lib.errors import NanoqwenError
+from nanoqwen_lib.errors import LimitError, NanoqwenError
 
 ALIGN = load().format.alignment
 
@@ -49,3 +59,36 @@ def check_int4_weights(where: str, qweight, scales) -> tuple[int, int]:
     check_device_buffer(where, "qweight", qweight, np.uint32, (n, k // 8))
     check_device_buffer(where, "scales", scales, np.float16, (n, k // group))
     return n, k
+
+
+def check_tokens(where: str, field: str, a) -> int:
+    """T of an activation [T, features] (T >= 1), read before its buffer is checked."""
+    if getattr(a, "ndim", 0) != 2 or a.shape[0] < 1:
+        raise NanoqwenError(where, field + ".shape", "(T, features), T >= 1", getattr(a, "shape", None))
+    return a.shape[0]
+
+
+def check_prefill_gemm(where: str, x, out, n: int, k: int, bias=None, residual=None, *, weight_elems: int,
+                       x_field: str = "x", x_dtype=np.float16, x_cols: int | None = None, out_field: str = "out",
+                       out_cols: int | None = None, out_offsets: bool = True, alias: bool = True) -> int:
+    """T of a prefill GEMM out = x W^T [+ bias] [+ residual] (W: N x K, already checked), its
+    arguments checked in this order: x [T, x_cols] of x_dtype (fp16; x_cols = K unless given),
+    out fp16 [T, out_cols] (N unless given), bias fp16 [N] and residual fp16 [T, N] when given
+    (residual may be `out`: in place), out not the buffer x (unless alias=False), then the
+    32-bit offsets: T * x_cols, weight_elems (the weight array's elements) and, with
+    out_offsets, T * out_cols below 2^31 (else a LimitError)."""
+    t = check_tokens(where, x_field, x)
+    x_cols = k if x_cols is None else x_cols
+    out_cols = n if out_cols is None else out_cols
+    check_device_buffer(where, x_field, x, x_dtype, (t, x_cols))
+    check_device_buffer(where, out_field, out, np.float16, (t, out_cols))
+    if bias is not None:
+        check_device_buffer(where, "bias", bias, np.float16, (n,))
+    if residual is not None:
+        check_device_buffer(where, "residual", residual, np.float16, (t, n))
+    if alias:
+        check_no_alias(where, out_field, out, x, x_field)
+    if t * x_cols >= 2**31 or weight_elems >= 2**31 or (out_offsets and t * out_cols >= 2**31):
+        raise LimitError(where, "T * row length", "< 2^31 elements (32-bit offsets)",
+                         f"T={t}, row {x_cols}, N={n}, K={k}")
+    return t

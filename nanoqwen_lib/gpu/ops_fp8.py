@@ -21,7 +21,7 @@ import numpy as np
 from nanoqwen_lib.config import load
 from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.errors import LimitError, NanoqwenError
-from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, device_ptr
+from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_no_alias, check_prefill_gemm, device_ptr
 
 # Kernel geometry: nanoqwen.yaml `geometry: fp8` (kernels/fp8.cu gets the same values as -D).
 _G = load().geometry["fp8"]
@@ -85,39 +85,37 @@ def quantize_rows_fp8(x, xq, ts) -> None:
 
 
 def check_gemm(fn: str, xq, ts, codes, scales, out, bias, residual, k_multiple: int) -> tuple[int, int, int]:
-    """(T, N, K) of a prefill FP8 GEMM's arguments, every buffer checked."""
+    """(T, N, K) of a prefill FP8 GEMM's arguments, every buffer checked: the prefill GEMMs'
+    launch_checks.check_prefill_gemm (xq uint8 [T, K], out, bias, residual, T * K, T * N and
+    N * K below 2^31; no alias check of xq and out, as before), then ts fp32 [T]."""
     n, k = check_weights(fn, codes, scales, k_multiple)
-    if getattr(xq, "ndim", 0) != 2 or xq.shape[0] < 1:
-        raise NanoqwenError(f"ops_fp8.{fn}", "xq.shape", "(T, K), T >= 1", getattr(xq, "shape", None))
-    t = xq.shape[0]
-    _check(fn, "xq", xq, np.uint8, (t, k))
+    t = check_prefill_gemm(f"ops_fp8.{fn}", xq, out, n, k, bias, residual, weight_elems=n * k, x_field="xq",
+                           x_dtype=np.uint8, alias=False)
     _check(fn, "ts", ts, np.float32, (t,))
-    _check(fn, "out", out, np.float16, (t, n))
-    if bias is not None:
-        _check(fn, "bias", bias, np.float16, (n,))
-    if residual is not None:
-        _check(fn, "residual", residual, np.float16, (t, n))
-    if t * max(k, n) >= 2**31 or n * k >= 2**31:
-        raise LimitError(f"ops_fp8.{fn}", "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
     return t, n, k
 
 
 GEMM_KERNELS = ("mma", "wgmma")
 WGMMA_FP8_BN_CHOICES = (112, 128)   # builds of prefill_wgmma.cu whose FP8 consumer fits its registers
+# k values the wgmma kernel sums in the tensor core before each promotion into FP32; gemm_fp8(promote=None)
+# reads WGMMA_FP8_PROMOTE at each call (tools/fp8_promotion.py measures each interval)
+WGMMA_FP8_PROMOTE = load().tuning["prefill_wgmma"].defines["NQ_PW_FP8_PROMOTE"]
+WGMMA_FP8_PROMOTES = (32, 64, 128)
 
 
 def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, *, kernel="mma", bn=None, split=None,
-             stages=None) -> None:
+             stages=None, promote=None) -> None:
     """out fp16 [T, N] = fp16(ts[t] scales[n] (xq codes^T)[t, n] [+ bias] [+ residual]) with
     E4M3 operands and FP32 accumulation; xq uint8 [T, K], ts fp32 [T] (quantize_rows_fp8);
     residual may be `out` (in place). kernel "mma": fp8.cu (K a multiple of GEMM_BK);
     "wgmma": prefill_wgmma.cu's nq_prefill_wgmma_fp8 (QGMMA, sums promoted into FP32 every 128 k;
-    K a multiple of 128, N of 8); bn / split / stages override ops_prefill.plan_wgmma."""
+    K a multiple of 128, N of 8); bn / split / stages override ops_prefill_wgmma.plan_wgmma, promote
+    (wgmma: k values per promotion into FP32, one of WGMMA_FP8_PROMOTES) WGMMA_FP8_PROMOTE."""
     if kernel not in GEMM_KERNELS:
         raise NanoqwenError("ops_fp8.gemm_fp8", "kernel", f"one of {GEMM_KERNELS}", kernel)
     if kernel == "wgmma":
-        from nanoqwen_lib.gpu import ops_prefill as op
-        from nanoqwen_lib.gpu import tensor_map
+        from nanoqwen_lib.gpu import ops_prefill_mma, tensor_map
+        from nanoqwen_lib.gpu import ops_prefill_wgmma as op
         where = "ops_fp8.gemm_fp8"
         t, n, k = check_gemm("gemm_fp8", xq, ts, codes, scales, out, bias, residual, op.WGMMA_ROW_BYTES)
         if n % 8:
@@ -128,17 +126,21 @@ def gemm_fp8(xq, ts, codes, scales, out, bias=None, residual=None, *, kernel="mm
             bn, split = bn or pbn, split or psplit
         if bn not in WGMMA_FP8_BN_CHOICES:
             raise NanoqwenError(where, "bn", f"one of {WGMMA_FP8_BN_CHOICES}", bn)
+        promote = WGMMA_FP8_PROMOTE if promote is None else promote
+        if promote not in WGMMA_FP8_PROMOTES:
+            raise NanoqwenError(where, "promote", f"one of {WGMMA_FP8_PROMOTES}", promote)
         bn, split, stages, grid = op._wgmma_grid(where, t, n, k, bn, split, stages, op.WGMMA_ROW_BYTES, n)
-        ws, counters = op.workspace() if split > 1 else (None, None)
-        op._wgmma_kernel("nq_prefill_wgmma_fp8", bn, stages)(
+        ws, counters = ops_prefill_mma.workspace() if split > 1 else (None, None)   # the prefill GEMMs' one
+        op._wgmma_kernel("nq_prefill_wgmma_fp8", bn, stages, promote)(
             grid, (op.WGMMA_THREADS,),
             (xq, ts, codes, scales, device_ptr(bias), device_ptr(residual), out, np.int32(t), np.int32(n),
              np.int32(k), device_ptr(ws), device_ptr(counters), op.xmap(xq, op.WGMMA_ROW_BYTES),
              tensor_map.device_map(codes, (bn, op.WGMMA_ROW_BYTES), swizzle="128B")),
             shared_mem=op.wgmma_smem_bytes(bn, stages))
         return
-    if bn is not None or split is not None or stages is not None:
-        raise NanoqwenError("ops_fp8.gemm_fp8", "bn/split/stages", "None with kernel='mma'", (bn, split, stages))
+    if bn is not None or split is not None or stages is not None or promote is not None:
+        raise NanoqwenError("ops_fp8.gemm_fp8", "bn/split/stages/promote", "None with kernel='mma'",
+                            (bn, split, stages, promote))
     t, n, k = check_gemm("gemm_fp8", xq, ts, codes, scales, out, bias, residual, GEMM_BK)
     args = (xq, ts, codes, scales, device_ptr(bias), device_ptr(residual), out, np.int32(t), np.int32(n), np.int32(k))
     _kernel("nq_gemm_fp8")((-(-t // GEMM_BM), -(-n // GEMM_BN)), (GEMM_THREADS,), args)

@@ -102,6 +102,10 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     run = timed_request(engine, prompt, gen_tokens)
     parts = pre = tl = graph_run = None
     persistent = engine.decode_mode == "persistent"
+    if breakdown and engine.prefill_mode == "tensor-core" and prompt_tokens <= engine.chunk:
+        # the prefill is the same whichever decode step follows it
+        progress("prefill breakdown (each region alone, against its FLOP floor and cuBLAS FP16)")
+        pre = prefill_breakdown(engine, prompt, cublas=True)
     if breakdown and persistent:
         from nanoqwen_lib.measure.timeline import timeline_token
         progress("one token's timeline (the persistent kernel's diagnostic build)")
@@ -119,9 +123,6 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     elif breakdown:
         progress("ITL breakdown (graph and eager steps, then each region alone)")
         parts = itl_breakdown(engine, prompt)
-        if engine.prefill_mode == "tensor-core" and prompt_tokens <= engine.chunk:
-            progress("prefill breakdown (each region alone, against its FLOP floor)")
-            pre = prefill_breakdown(engine, prompt)
     progress("measuring the read ceiling")
     ceiling = measure_read_ceiling()
     itl = _stats(run["itl_ms"])

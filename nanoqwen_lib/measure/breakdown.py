@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanoqwen_lib.measure.timing import events_between, intervals_ms
+from nanoqwen_lib.format.layout import decode_gemv_shapes
+from nanoqwen_lib.measure.timing import events_between, intervals_ms, time_cuda
 
 
 
@@ -101,21 +102,51 @@ def prefill_region_times(engine, prompt: list[int], iters: int = 10) -> dict[str
     return out
 
 
-def prefill_breakdown(engine, prompt: list[int], iters: int = 10, tensor_tflops: float | None = None) -> dict:
+def measure_cublas_fp16(t: int, n: int, k: int, iters: int = 10) -> float:
+    """Median ms of cuBLAS (cupy.matmul) computing X W^T for random fp16 X [t, k] and W [n, k],
+    FP32 accumulation: the dense FP16 product a quantized GEMM of that shape is compared with."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(0)
+    x = rng.standard_normal((t, k), dtype=cp.float32).astype(cp.float16)
+    w = rng.standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
+    y = cp.empty((t, n), cp.float16)
+
+    def run():
+        cp.matmul(x, w.T, out=y)
+
+    ms = time_cuda(run, warmup=3, iters=iters)["median"]
+    del x, w, y
+    return ms
+
+
+def prefill_breakdown(engine, prompt: list[int], iters: int = 10, tensor_tflops: float | None = None,
+                      cublas: bool = False) -> dict:
     """The prefill of `prompt` (one chunk) region by region against each region's FLOP floor:
     its FLOPs (gpu.layer.prefill_region_flops) over the dense FP16 tensor-core rate measured
     now (timing.measure_tensor_ceiling, cuBLAS), unless given. Regions without FLOPs (norms,
-    RoPE, embed) get no floor."""
-    from nanoqwen_lib.gpu.layer import prefill_region_flops
+    RoPE, embed) get no floor. cublas=True: each GEMM region also gets `cublas_ms`, cuBLAS's
+    time for the same products on dense FP16 weights (nothing fused), measured now."""
+    from nanoqwen_lib.gpu.layer import prefill_region_flops, prefill_regions
     from nanoqwen_lib.measure.timing import measure_tensor_ceiling
     ms = prefill_region_times(engine, prompt, iters=iters)
     flops = prefill_region_flops(engine.dims, len(prompt))
     rate = tensor_tflops or measure_tensor_ceiling()["tflops"]
+    dense = {}
+    if cublas:
+        shapes = decode_gemv_shapes(engine.dims)
+        for r in prefill_regions(engine.dims):
+            if r.matrix is not None:
+                if r.prefill not in dense:
+                    dense[r.prefill] = [measure_cublas_fp16(len(prompt), *shapes[r.matrix]), 0]
+                dense[r.prefill][1] += 1
     rows = {}
     for region, t in ms.items():
         f = flops.get(region, 0)
         rows[region] = {"ms": t, "flops": f, "tflops": f / (t * 1e-3) / 1e12 if f else None,
                         "floor_ms": f / (rate * 1e12) * 1e3 if f else None}
+        if region in dense:
+            rows[region]["cublas_ms"] = dense[region][0] * dense[region][1]
     total = sum(ms.values())
     floor = sum(flops.values()) / (rate * 1e12) * 1e3
     return {"tokens": len(prompt), "iters": iters, "tensor_ceiling_tflops": rate, "regions": rows,
@@ -123,13 +154,19 @@ def prefill_breakdown(engine, prompt: list[int], iters: int = 10, tensor_tflops:
 
 
 def format_prefill_breakdown(b: dict) -> str:
+    with_dense = any("cublas_ms" in r for r in b["regions"].values())
     lines = [f"prefill breakdown, {b['tokens']} tokens ({b['kind']}; medians, regions replayed alone; "
-             f"floors at {b['tensor_ceiling_tflops']:.0f} TFLOP/s, cuBLAS FP16 measured now)",
-             f"{'region':<20}{'ms':>9}{'floor ms':>10}{'TFLOP/s':>9}{'of ceiling':>12}"]
+             f"floors at {b['tensor_ceiling_tflops']:.0f} TFLOP/s, cuBLAS FP16 measured now"
+             + ("; cuBLAS ms: the same products on dense FP16 weights)" if with_dense else ")"),
+             f"{'region':<20}{'ms':>9}{'floor ms':>10}{'TFLOP/s':>9}{'of ceiling':>12}"
+             + (f"{'cuBLAS ms':>11}{'x cuBLAS':>10}" if with_dense else "")]
     for region, r in b["regions"].items():
         if r["flops"]:
-            lines.append(f"{region:<20}{r['ms']:>9.3f}{r['floor_ms']:>10.3f}{r['tflops']:>9.0f}"
-                         f"{r['floor_ms'] / r['ms']:>12.1%}")
+            line = (f"{region:<20}{r['ms']:>9.3f}{r['floor_ms']:>10.3f}{r['tflops']:>9.0f}"
+                    f"{r['floor_ms'] / r['ms']:>12.1%}")
+            if "cublas_ms" in r:
+                line += f"{r['cublas_ms']:>11.3f}{r['ms'] / r['cublas_ms']:>9.2f}x"
+            lines.append(line)
         else:
             lines.append(f"{region:<20}{r['ms']:>9.3f}{'-':>10}{'-':>9}{'-':>12}")
     lines.append(f"{'sum of regions':<20}{b['regions_sum_ms']:>9.3f}{b['floor_ms']:>10.3f}{'':>9}"

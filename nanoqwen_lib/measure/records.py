@@ -43,8 +43,11 @@ _GRAPH_STEP = ["kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/decode_
                "nanoqwen_lib/gpu/ops_decode.py", "nanoqwen_lib/gpu/ops_gemv.py",
                "nanoqwen_lib/gpu/ops_attention.py", "nanoqwen_lib/gpu/projection.py"]
 PERSISTENT = ["kernels/decode_persistent.cu", "kernels/stream3.cuh", "nanoqwen_lib/gpu/persistent.py"]
+# ops_prefill's front door and the launchers of its three kernel files (one module each)
+_OPS_PREFILL = ["nanoqwen_lib/gpu/ops_prefill.py", "nanoqwen_lib/gpu/ops_prefill_mma.py",
+                "nanoqwen_lib/gpu/ops_prefill_wgmma.py", "nanoqwen_lib/gpu/ops_prefill_attention.py"]
 _PREFILL_INT4 = ["kernels/prefill_wgmma.cu", "kernels/wgmma_ops.cuh", "kernels/prefill_gemm.cu",
-                 "kernels/prefill_attention.cu", "nanoqwen_lib/gpu/ops_prefill.py", "nanoqwen_lib/gpu/tensor_map.py"]
+                 "kernels/prefill_attention.cu"] + _OPS_PREFILL + ["nanoqwen_lib/gpu/tensor_map.py"]
 _FP8 = ["kernels/fp8.cu", "kernels/fp8.cuh", "nanoqwen_lib/gpu/ops_fp8.py"]
 _BENCH = ["nanoqwen_lib/measure/bench.py", "nanoqwen_lib/measure/breakdown.py", "nanoqwen_lib/measure/timing.py"]
 PEERS = ["nanoqwen_lib/measure/peers.py", "nanoqwen_lib/measure/peers_torch.py",
@@ -53,7 +56,7 @@ PEERS = ["nanoqwen_lib/measure/peers.py", "nanoqwen_lib/measure/peers_torch.py",
 # `nanoqwen bench --json`, by what it ran
 BENCH_INT4 = _K_COMMON + _PLAN + _GRAPH_STEP + _PREFILL_INT4 + _BENCH            # kernel-per-op graph decode
 BENCH_PERSISTENT = BENCH_INT4 + PERSISTENT + ["nanoqwen_lib/measure/timeline.py"]
-BENCH_FP8 = _K_COMMON + _PLAN + _GRAPH_STEP + _FP8 + ["kernels/prefill_attention.cu", "nanoqwen_lib/gpu/ops_prefill.py"] + _BENCH
+BENCH_FP8 = _K_COMMON + _PLAN + _GRAPH_STEP + _FP8 + ["kernels/prefill_attention.cu"] + _OPS_PREFILL + _BENCH
 MEASURES = {   # book/data/<name> -> what it measures
     "persistent.json": BENCH_PERSISTENT,
     "persistent-variants.json": _K_COMMON + _PLAN + PERSISTENT + ["nanoqwen_lib/measure/timeline.py",

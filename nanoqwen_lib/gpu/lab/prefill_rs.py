@@ -7,6 +7,11 @@ Issue 29's first step; PERFLOG ("Issue 29 ...") says which builds ran on the H20
                                          shared-memory path's: one 128-byte copy a block and group)
     gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None, **build)
                                          Y = fp16(X W^T [+ bias] [+ residual]), ops_prefill's contract
+    swiglu_rows(words, scales)           gate_up's rows [2I, ...] -> the SwiGLU row order (gate and up
+                                         of a feature in one thread's two rows), rows padded to 64 ceil(I/32)
+    gemm_int4_rs_swiglu(x, w_rs, scales_rs, act, **build)
+                                         act [T, I] = fp16(silu(fp16(g)) * fp16(u)) from gate_up in the
+                                         SwiGLU row order: the bits of gemm_int4_rs + ops_prefill.swiglu_act
 
 The RS order is a one-off reorder of the packed words (the same codes and nibble encoding: one
 16-byte load per thread and k-tile is four words, each the A fragment of one k16 step), so a
@@ -61,6 +66,28 @@ def rs_scales(scales) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(nb, ROWS, groups).transpose(0, 2, 1))
 
 
+def swiglu_rows(words, scales) -> tuple[np.ndarray, np.ndarray]:
+    """gate_up words uint32 [2I, K/8] and scales fp16 [2I, K/128] (gate rows, then up rows) ->
+    the same rows in the SwiGLU order, [64 ceil(I/32), ...]: in each block b of 64 rows, row
+    16 w + g is gate row f = 32 b + 8 w + g and row 16 w + g + 8 its up row I + f (w 0..3, g 0..7),
+    so that the thread that holds rows r and r + 8 of a warp's 16 holds g and u of one feature;
+    rows of features f >= I are zero (code 0, scale 0)."""
+    words, scales = np.asarray(words), np.asarray(scales)
+    if words.dtype != np.uint32 or words.ndim != 2 or words.shape[0] % 2:
+        raise NanoqwenError("lab.prefill_rs.swiglu_rows", "words", "uint32 [2I, K/8]", f"{words.dtype} {words.shape}")
+    if scales.dtype != np.float16 or scales.shape != (words.shape[0], words.shape[1] * 8 // quant.GROUP_SIZE):
+        raise NanoqwenError("lab.prefill_rs.swiglu_rows", "scales", f"fp16 [{words.shape[0]}, K/128]",
+                            f"{scales.dtype} {scales.shape}")
+    i = words.shape[0] // 2
+    f = np.arange(i)
+    gate_at = ROWS * (f // 32) + 16 * ((f % 32) // 8) + f % 8     # the new row of gate row f; up: + 8
+    rows = ROWS * -(-i // 32)
+    w_out, s_out = np.zeros((rows, words.shape[1]), np.uint32), np.zeros((rows, scales.shape[1]), np.float16)
+    w_out[gate_at], w_out[gate_at + 8] = words[:i], words[i:]
+    s_out[gate_at], s_out[gate_at + 8] = scales[:i], scales[i:]
+    return w_out, s_out
+
+
 def smem_bytes(build: dict) -> int:
     """Dynamic shared memory of nq_prefill_rs: the X ring (and with NQ_RS_WSMEM each stage's packed W,
     2048 bytes, and scales, 128 bytes, per consumer warpgroup), 1024 bytes of alignment slack, the
@@ -77,12 +104,31 @@ def _kernel(build_items: tuple):
     return kern
 
 
+def gemm_int4_rs_swiglu(x, w_rs, scales_rs, act, **build) -> None:
+    """act[T, I] = fp16(silu(fp16(g)) * fp16(u)), [g | u] = x gate_up^T, on the GPU; x fp16 [T, K],
+    w_rs = rs_order of swiglu_rows' words, scales_rs = rs_scales of its scales (on the device)."""
+    where = "lab.prefill_rs.gemm_int4_rs_swiglu"
+    unknown = set(build) - set(RS_BUILD)
+    if unknown or build.get("NQ_RS_WSMEM", 1) != 1 or "NQ_RS_SWIGLU" in build:
+        raise NanoqwenError(where, "build", f"names of {sorted(RS_BUILD)} (the shared-memory path; SwiGLU set here)",
+                            sorted(build))
+    if getattr(x, "ndim", 0) != 2 or getattr(act, "ndim", 0) != 2:
+        raise NanoqwenError(where, "x / act", "fp16 [T, K] / fp16 [T, I]",
+                            f"{getattr(x, 'shape', None)} / {getattr(act, 'shape', None)}")
+    (t, k), i = x.shape, act.shape[1]
+    if k % RS_K_ALIGN:
+        raise NanoqwenError(where, "x.shape[1]", f"K a multiple of {RS_K_ALIGN}", k)
+    nb = -(-i // 32)
+    check_device_buffer(where, "act", act, np.float16, (t, i))
+    check_device_buffer(where, "w_rs", w_rs, np.uint32, (nb, k // 64, 4, 32, 4))      # rs_order(swiglu_rows)
+    check_device_buffer(where, "scales_rs", scales_rs, np.float16, (nb, k // quant.GROUP_SIZE, ROWS))
+    _launch(where, x, w_rs, None, scales_rs, None, None, act, t, 2 * i, k, {**RS_BUILD, **build, "NQ_RS_SWIGLU": 1})
+
+
 def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None, **build) -> None:
     """out[T, N] = fp16(x W^T [+ bias] [+ residual]) on the GPU; x fp16 [T, K], w_rs the RS order
     of W (rs_order, on the device), scales fp16 [N, K/128], scales_rs their RS order (rs_scales, on
     the device; the shared-memory path, NQ_RS_WSMEM=1, needs it); build: RS_BUILD's names to override."""
-    from nanoqwen_lib.gpu import tensor_map
-
     where = "lab.prefill_rs.gemm_int4_rs"
     unknown = set(build) - set(RS_BUILD)
     if unknown:
@@ -94,7 +140,6 @@ def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None,
     (t, k), n = x.shape, scales.shape[0]
     if k % RS_K_ALIGN:
         raise NanoqwenError(where, "x.shape[1]", f"K a multiple of {RS_K_ALIGN}", k)
-    check_device_buffer(where, "x", x, np.float16, (t, k))
     check_device_buffer(where, "scales", scales, np.float16, (n, k // quant.GROUP_SIZE))
     check_device_buffer(where, "w_rs", w_rs, np.uint32, (-(-n // ROWS), k // 64, 4, 32, 4))   # rs_order
     check_device_buffer(where, "out", out, np.float16, (t, n))
@@ -106,12 +151,22 @@ def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None,
         if scales_rs is None:
             raise NanoqwenError(where, "scales_rs", "the scales in the RS order (rs_scales) for NQ_RS_WSMEM=1", None)
         check_device_buffer(where, "scales_rs", scales_rs, np.float16, (-(-n // ROWS), k // quant.GROUP_SIZE, ROWS))
+    if b["NQ_RS_SWIGLU"]:
+        raise NanoqwenError(where, "NQ_RS_SWIGLU", "0 (the SwiGLU epilogue: gemm_int4_rs_swiglu)", b["NQ_RS_SWIGLU"])
+    _launch(where, x, w_rs, scales, scales_rs, bias, residual, out, t, n, k, b)
+
+
+def _launch(where: str, x, w_rs, scales, scales_rs, bias, residual, out, t: int, n: int, k: int, b: dict) -> None:
+    """The checked arguments to nq_prefill_rs: grid, block, shared memory, X's tensor map."""
+    from nanoqwen_lib.gpu import tensor_map
+
+    check_device_buffer(where, "x", x, np.float16, (t, k))
     if t * k >= 2**31 or t * n >= 2**31:
         raise NanoqwenError(where, "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
     xmap = tensor_map.device_map(x, (b["NQ_RS_BM"], 64), swizzle="128B")
     grid = (-(-n // (ROWS * b["NQ_RS_CWG"])), -(-t // b["NQ_RS_BM"]))
     _kernel(tuple(sorted(b.items())))(
         grid, (128 * (1 + b["NQ_RS_CWG"]),),
-        (x, w_rs, scales, device_ptr(scales_rs), device_ptr(bias), device_ptr(residual), out,
+        (x, w_rs, device_ptr(scales), device_ptr(scales_rs), device_ptr(bias), device_ptr(residual), out,
          np.int32(t), np.int32(n), np.int32(k), xmap),
         shared_mem=smem_bytes(b))
