@@ -25,12 +25,11 @@ _WEIGHTS = {}
 
 
 def weights(rng, n, k):
-    """Random packed weights for a shape, reordered once per session (the reorder of the 7B's
-    gate_up takes seconds on the host); every case draws a fresh X."""
+    """Random packed weights for a shape, reordered once per session on the GPU (the same code as
+    on the host: test_rs_reorder_on_the_gpu_is_the_hosts); every case draws a fresh X."""
     if (n, k) not in _WEIGHTS:
         words, scales = rand_int4(rng, n, k)
-        _WEIGHTS[(n, k)] = (words, scales, cp.asarray(prefill_rs.rs_order(cp.asnumpy(words))),
-                            cp.asarray(prefill_rs.rs_scales(cp.asnumpy(scales))))
+        _WEIGHTS[(n, k)] = (words, scales, prefill_rs.rs_order(words), prefill_rs.rs_scales(scales))   # on the GPU
     return _WEIGHTS[(n, k)]
 
 
@@ -98,3 +97,15 @@ def test_rs_swiglu_is_the_plain_gemm_then_the_act(rng, t, i, k, build):
     cp.cuda.Device().synchronize()
     bad = int(cp.count_nonzero(act.view(cp.uint16) != want.view(cp.uint16)))
     assert bad == 0, f"SwiGLU epilogue T={t} I={i}: {bad} of {act.size} outputs differ from GEMM + swiglu_act"
+
+
+@pytest.mark.parametrize("n, k", [(200, 384), (37888, 3584)])
+def test_rs_reorder_on_the_gpu_is_the_hosts(rng, n, k):
+    """rs_order, rs_scales and swiglu_rows on CuPy arrays give the host's (NumPy) arrays, bit for bit."""
+    words, scales = rand_int4(rng, n, k)
+    hw, hs = cp.asnumpy(words), cp.asnumpy(scales)
+    assert (cp.asnumpy(prefill_rs.rs_order(words)) == prefill_rs.rs_order(hw)).all()
+    assert (cp.asnumpy(prefill_rs.rs_scales(scales)).view(np.uint16) == prefill_rs.rs_scales(hs).view(np.uint16)).all()
+    gw, gs = prefill_rs.swiglu_rows(words, scales)
+    cw, cs = prefill_rs.swiglu_rows(hw, hs)
+    assert (cp.asnumpy(gw) == cw).all() and (cp.asnumpy(gs).view(np.uint16) == cs.view(np.uint16)).all()

@@ -68,8 +68,7 @@ def one_shape(cp, ops_prefill, prefill_rs, rng, name, n, k, t, a) -> dict:
     """One shape at T tokens: cuBLAS FP16, the engine's wgmma plan and each build (median us)."""
     words = cp.asarray(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
     scales = cp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16))
-    w_rs = cp.asarray(prefill_rs.rs_order(cp.asnumpy(words)))
-    s_rs = cp.asarray(prefill_rs.rs_scales(cp.asnumpy(scales)))
+    w_rs, s_rs = prefill_rs.rs_order(words), prefill_rs.rs_scales(scales)   # on the GPU
     x = cp.asarray(rng.standard_normal((t, k)).astype(np.float16))
     ref, out = cp.empty((t, n), cp.float16), cp.empty((t, n), cp.float16)
     ops_prefill.gemm_int4(x, words, scales, ref, kernel="wgmma")
@@ -93,8 +92,8 @@ def one_shape(cp, ops_prefill, prefill_rs, rng, name, n, k, t, a) -> dict:
         act = cp.empty((t, i), cp.float16)
         res["wgmma plan swiglu"] = median_us(lambda: ops_prefill.gemm_int4_gate_up_swiglu(x, words, scales, act),
                                              5, a.reps)
-        sw, ss = prefill_rs.swiglu_rows(cp.asnumpy(words), cp.asnumpy(scales))
-        sw_rs, ss_rs = cp.asarray(prefill_rs.rs_order(sw)), cp.asarray(prefill_rs.rs_scales(ss))
+        sw, ss = prefill_rs.swiglu_rows(words, scales)
+        sw_rs, ss_rs = prefill_rs.rs_order(sw), prefill_rs.rs_scales(ss)
         swiglu = ["wgmma plan swiglu"]
         for b in a.builds:
             change = BUILDS[b]

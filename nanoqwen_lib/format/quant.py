@@ -48,15 +48,16 @@ def quantize_int4_groupwise(w: np.ndarray, group_size: int = GROUP_SIZE):
     return codes.reshape(out_f, in_f), scales
 
 
-def pack_int4_value_shuffle(codes: np.ndarray) -> np.ndarray:
-    """codes int8 [out, in] in [-8, 7] -> uint32 [out, in/8], ValueShuffle nibble order."""
+def pack_int4_value_shuffle(codes: np.ndarray, xp=np) -> np.ndarray:
+    """codes int8 [out, in] in [-8, 7] -> uint32 [out, in/8], ValueShuffle nibble order, for
+    any array module (NumPy, or CuPy on the GPU)."""
     out_f, in_f = codes.shape
     assert in_f % 8 == 0, in_f
-    nib = (codes.astype(np.int64) & 0xF).reshape(out_f, in_f // 8, 8)
-    words = np.zeros((out_f, in_f // 8), dtype=np.uint64)
-    for slot, value in enumerate(VALUE_SHUFFLE):
-        words |= nib[:, :, value].astype(np.uint64) << np.uint64(4 * slot)
-    return words.astype(np.uint32)
+    nib = (codes.astype(xp.int64) & 0xF).reshape(out_f, in_f // 8, 8)
+    words = xp.zeros((out_f, in_f // 8), dtype=xp.uint64)
+    for slot, value in enumerate(VALUE_SHUFFLE.tolist()):
+        words |= nib[:, :, value].astype(xp.uint64) << xp.uint64(4 * slot)
+    return words.astype(xp.uint32)
 
 
 def unpack_int4_value_shuffle(words, xp=np):

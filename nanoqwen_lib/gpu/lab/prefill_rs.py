@@ -25,6 +25,7 @@ import numpy as np
 
 from nanoqwen_lib.errors import NanoqwenError
 from nanoqwen_lib.format import quant
+from nanoqwen_lib.format.stream_layout import array_module
 from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.gpu.launch_checks import check_device_buffer, device_ptr
 
@@ -34,36 +35,39 @@ RS_K_ALIGN = 128          # K: whole scale groups (and k-tiles of 64)
 ROWS = 64                 # weight rows a consumer warpgroup takes (wgmma M)
 
 
-def rs_order(words) -> np.ndarray:
+def rs_order(words, xp=None) -> np.ndarray:
     """ValueShuffle words uint32 [N, K/8] -> the RS order, uint32 [ceil(N/64), K/64, 4, 32, 4]
-    (feature block, k-tile, warp, lane, k16 step); rows past N hold code 0."""
-    words = np.asarray(words)
+    (feature block, k-tile, warp, lane, k16 step); rows past N hold code 0. In the words' array
+    module (NumPy, or CuPy: the reorder at upload runs on the GPU), or `xp`."""
+    xp = array_module(words, xp)
+    words = xp.asarray(words)
     if words.dtype != np.uint32 or words.ndim != 2:
         raise NanoqwenError("lab.prefill_rs.rs_order", "words", "uint32 [N, K/8]", f"{words.dtype} {words.shape}")
     n_rows, k = words.shape[0], words.shape[1] * 8
     if k % RS_K_ALIGN:
         raise NanoqwenError("lab.prefill_rs.rs_order", "K", f"a multiple of {RS_K_ALIGN}", k)
     nb = -(-n_rows // ROWS)
-    codes = np.zeros((nb * ROWS, k), np.int8)
-    codes[:n_rows] = quant.unpack_int4_value_shuffle(words)
+    codes = xp.zeros((nb * ROWS, k), np.int8)
+    codes[:n_rows] = quant.unpack_int4_value_shuffle(words, xp)
     # row = 64 nb + 16 w + 8 h + g, col = 64 kt + 16 s + 8 c8 + 2 t + c1
     c = codes.reshape(nb, 4, 2, 8, k // 64, 4, 2, 4, 2)        # nb, w, h, g, kt, s, c8, t, c1
     c = c.transpose(0, 4, 1, 3, 7, 5, 6, 2, 8)                 # nb, kt, w, g, t, s, c8, h, c1
-    vec = np.ascontiguousarray(c).reshape(-1, 8)               # value i = 4 c8 + 2 h + c1
-    return quant.pack_int4_value_shuffle(vec).reshape(nb, k // 64, 4, 32, 4)
+    vec = xp.ascontiguousarray(c).reshape(-1, 8)               # value i = 4 c8 + 2 h + c1
+    return quant.pack_int4_value_shuffle(vec, xp).reshape(nb, k // 64, 4, 32, 4)
 
 
-def rs_scales(scales) -> np.ndarray:
+def rs_scales(scales, xp=None) -> np.ndarray:
     """Scales fp16 [N, K/128] -> [ceil(N/64), K/128, 64]: a feature block's 64 scales of one group
-    contiguous (rows past N hold 0; their outputs are not stored)."""
-    scales = np.asarray(scales)
+    contiguous (rows past N hold 0; their outputs are not stored); NumPy or CuPy, as rs_order."""
+    xp = array_module(scales, xp)
+    scales = xp.asarray(scales)
     if scales.dtype != np.float16 or scales.ndim != 2:
         raise NanoqwenError("lab.prefill_rs.rs_scales", "scales", "fp16 [N, K/128]", f"{scales.dtype} {scales.shape}")
     n_rows, groups = scales.shape
     nb = -(-n_rows // ROWS)
-    out = np.zeros((nb * ROWS, groups), np.float16)
+    out = xp.zeros((nb * ROWS, groups), np.float16)
     out[:n_rows] = scales
-    return np.ascontiguousarray(out.reshape(nb, ROWS, groups).transpose(0, 2, 1))
+    return xp.ascontiguousarray(out.reshape(nb, ROWS, groups).transpose(0, 2, 1))
 
 
 def swiglu_rows(words, scales) -> tuple[np.ndarray, np.ndarray]:
@@ -71,18 +75,19 @@ def swiglu_rows(words, scales) -> tuple[np.ndarray, np.ndarray]:
     the same rows in the SwiGLU order, [64 ceil(I/32), ...]: in each block b of 64 rows, row
     16 w + g is gate row f = 32 b + 8 w + g and row 16 w + g + 8 its up row I + f (w 0..3, g 0..7),
     so that the thread that holds rows r and r + 8 of a warp's 16 holds g and u of one feature;
-    rows of features f >= I are zero (code 0, scale 0)."""
-    words, scales = np.asarray(words), np.asarray(scales)
+    rows of features f >= I are zero (code 0, scale 0). NumPy or CuPy, as rs_order."""
+    xp = array_module(words)
+    words, scales = xp.asarray(words), xp.asarray(scales)
     if words.dtype != np.uint32 or words.ndim != 2 or words.shape[0] % 2:
         raise NanoqwenError("lab.prefill_rs.swiglu_rows", "words", "uint32 [2I, K/8]", f"{words.dtype} {words.shape}")
     if scales.dtype != np.float16 or scales.shape != (words.shape[0], words.shape[1] * 8 // quant.GROUP_SIZE):
         raise NanoqwenError("lab.prefill_rs.swiglu_rows", "scales", f"fp16 [{words.shape[0]}, K/128]",
                             f"{scales.dtype} {scales.shape}")
     i = words.shape[0] // 2
-    f = np.arange(i)
+    f = xp.arange(i)
     gate_at = ROWS * (f // 32) + 16 * ((f % 32) // 8) + f % 8     # the new row of gate row f; up: + 8
     rows = ROWS * -(-i // 32)
-    w_out, s_out = np.zeros((rows, words.shape[1]), np.uint32), np.zeros((rows, scales.shape[1]), np.float16)
+    w_out, s_out = xp.zeros((rows, words.shape[1]), np.uint32), xp.zeros((rows, scales.shape[1]), np.float16)
     w_out[gate_at], w_out[gate_at + 8] = words[:i], words[i:]
     s_out[gate_at], s_out[gate_at + 8] = scales[:i], scales[i:]
     return w_out, s_out
