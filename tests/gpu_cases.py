@@ -80,18 +80,19 @@ def check_decode_layer(eng, nq_file, layer: int, token: int) -> dict:
                            scales=None if fp8 else layer_scales(tensors, layer), encoding="fp8" if fp8 else "int4")
 
 
-def check_prefill(nq_file, refm, n, seed, layers, max_tokens):
+def check_prefill(nq_file, refm, n, seed, layers, max_tokens, prefill_gemm=None):
     """The tensor-core prefill of the engine for the file's encoding, on an n-token prompt
     (pages shuffled, the pool and the prefill buffers poisoned first), against
     ReferenceModel.prefill on CuPy: K and V of `layers` in the pages, the last position's
-    logits, and the first generated token."""
+    logits, and the first generated token. prefill_gemm: the engine's (default nanoqwen.yaml's)."""
     import cupy as cp
     from nanoqwen_lib.config import load
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.model.reference import argmax_and_gap
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 151643, n).tolist()
-    eng = GpuBackend(nq_file, max_tokens=max_tokens, graphs=False, decode="graph")   # INT4 or FP8, by the file
+    eng = GpuBackend(nq_file, max_tokens=max_tokens, graphs=False, decode="graph",   # INT4 or FP8, by the file
+                     prefill_gemm=prefill_gemm)
     eng.kv.fill(cp.nan)
     for name in ("p.x", "p.y", "p.qkv", "p.q", "p.attn", "p.gate_up", "p.act", "p.ts", "a.logits"):
         if name in eng.arena.plan.slots:                            # p.ts: the FP8 engine's
@@ -157,13 +158,13 @@ def prompt_ids(rng, n, vocab=151643) -> list[int]:
     return rng.integers(0, vocab, n).tolist()
 
 
-def greedy_agreement_of(nq_file, prompts, new_tokens, decode: str, max_tokens=4096):
-    """validate.greedy_agreement of a fresh engine with the given decode step against the
-    reference on CuPy."""
+def greedy_agreement_of(nq_file, prompts, new_tokens, decode: str, max_tokens=4096, prefill_gemm=None):
+    """validate.greedy_agreement of a fresh engine with the given decode step (and prefill GEMM,
+    default nanoqwen.yaml's) against the reference on CuPy."""
     import cupy as cp
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.model.reference import ReferenceModel
     from nanoqwen_lib.measure.validate import greedy_agreement
-    gpu = GpuBackend(nq_file, max_tokens=max_tokens, decode=decode)
+    gpu = GpuBackend(nq_file, max_tokens=max_tokens, decode=decode, prefill_gemm=prefill_gemm)
     refm = ReferenceModel(nq_file.dims, nq_file.model_tensors(), xp=cp)
     return greedy_agreement(gpu, refm, prompts, new_tokens)

@@ -112,6 +112,54 @@ def test_prefill_projection_kernels_per_gemm(recorded, gemm, dims_name, t, start
         assert got == want, (encoding, gemm)
 
 
+@pytest.mark.parametrize("dims_name,t,start", [("7b", 512, 0), ("7b", 37, 512), ("tiny", 1, 0), ("tiny-hd64", 100, 16)])
+def test_int4_prefill_on_the_rs_form(monkeypatch, recorded, dims_name, t, start):
+    """prefill_gemm="rs" (the lab's RS form, opt-in): each projection region is one nq_prefill_rs
+    launch (SwiGLU in gate_up's epilogue, so no nq_swiglu_act before down) reading the RS copies
+    (the arena's `.rs` / `.rs_scales` slots), with plan_rs's build and its grid; every argument
+    passes the launcher's checks."""
+    from nanoqwen_lib.format.layout import decode_gemv_shapes
+    from nanoqwen_lib.gpu.lab import prefill_rs
+
+    builds = []
+
+    def kernel(items):
+        b = dict(items)
+
+        def launch(grid, block, args, shared_mem=0):
+            builds.append((b, tuple(grid), tuple(block)))
+            recorded.append(("nq_prefill_rs", tuple(grid), tuple(block)))
+        return launch
+    monkeypatch.setattr(prefill_rs, "_kernel", kernel)
+    eng = stand_in_engine(dims_name, 1024, "int4", "rs")
+    shapes = decode_gemv_shapes(eng.dims)
+    regions = {"qkv_gemm": "qkv", "o_proj_gemm": "o_proj", "gate_up_gemm": "gate_up", "swiglu_down_gemm": "down"}
+    seen = set()
+    for name, launch in eng.prefill_launches(start, t):
+        if name in regions and name not in seen:
+            del recorded[:], builds[:]
+            launch()
+            assert [c[0] for c in recorded] == ["nq_prefill_rs"], (name, recorded)
+            b, grid, block = builds[0]
+            n = shapes[regions[name]][0]
+            assert b == {**prefill_rs.RS_BUILD, **prefill_rs.plan_rs(t, n, 132),
+                         "NQ_RS_SWIGLU": int(name == "gate_up_gemm")}, name
+            assert grid == (-(-n // (64 * b["NQ_RS_CWG"])), -(-t // b["NQ_RS_BM"])), name
+            assert block == (128 * (1 + b["NQ_RS_CWG"]),)
+            seen.add(name)
+    assert seen == set(regions)
+
+
+def test_rs_prefill_plans_its_copies():
+    from nanoqwen_lib.config import load
+    from nanoqwen_lib.gpu.engine import plan_arena
+    dims = load().model("tiny")
+    slots = plan_arena(dims, 256, "int4", prefill_gemm="rs").slots
+    assert {"w.0.gate_up.rs", "w.0.gate_up.rs_scales", "w.0.down.rs"} <= set(slots)
+    assert slots["w.0.gate_up.rs"][2] == (-(-dims.intermediate // 32), dims.hidden // 64, 4, 32, 4)
+    assert not any(k.endswith(".rs") for k in plan_arena(dims, 256, "int4").slots)
+
+
 @pytest.mark.parametrize("bn,split", [(112, 1), (128, 1), (128, 3), (144, 2), (256, 1)])
 def test_int4_wgmma_block_size_follows_the_build(recorded, bn, split):
     """nq_prefill_wgmma[_swiglu] built with bn <= NQ_PW_INT4_2P_MAX_BN runs 2 producer warpgroups

@@ -109,3 +109,24 @@ def test_rs_reorder_on_the_gpu_is_the_hosts(rng, n, k):
     gw, gs = prefill_rs.swiglu_rows(words, scales)
     cw, cs = prefill_rs.swiglu_rows(hw, hs)
     assert (cp.asnumpy(gw) == cw).all() and (cp.asnumpy(gs).view(np.uint16) == cs.view(np.uint16)).all()
+
+
+# ---- in the engine (prefill_gemm="rs", opt-in) -------------------------------------------------
+@pytest.mark.parametrize("model", ["tiny", "tiny-hd64"])
+def test_engine_rs_prefill_matches_reference(model):
+    """The engine's prefill on the RS form (RS copies made on the GPU at upload, SwiGLU in the
+    gate_up epilogue), three chunks, against ReferenceModel.prefill (gpu_cases.check_prefill:
+    pages shuffled, pool and buffers poisoned); then greedy tokens against the reference."""
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    from nanoqwen_lib.model.reference import ReferenceModel
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from .gpu_cases import check_prefill, greedy_agreement_of, prompt_ids
+
+    f = NanoqwenFile.open(packed_synthetic(model, seed=0))
+    refm = ReferenceModel(f.dims, f.model_tensors(), xp=cp)
+    check_prefill(f, refm, 1100, seed=11, layers=(0, 1), max_tokens=1200, prefill_gemm="rs")
+    rng = np.random.default_rng(3)
+    a = greedy_agreement_of(f, [prompt_ids(rng, n) for n in (1, 17, 130)], 16, "graph", max_tokens=512,
+                            prefill_gemm="rs")
+    print(f"{model} rs:", a.summary())
+    assert a.passes(), a.summary()

@@ -24,13 +24,13 @@ from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.gpu.arena import ArenaPlan, DeviceArena
 from nanoqwen_lib.gpu.layer import (ATTENTION, BOOKKEEPING, DOWN, EMBED, GATE_UP, LM_HEAD, NORM_IN, NORM_MLP,
                                     NORM_OUT, O_PROJ, QKV, ROPE)
-from nanoqwen_lib.gpu.projection import ENCODINGS
+from nanoqwen_lib.gpu.projection import ENCODINGS, Int4RsProjections
 from nanoqwen_lib.model.generate import check_request
 
 KV = load().kv_cache
 PREFILL_CHUNK = load().engine.prefill_chunk_tokens
 PREFILL_MODES = ("tensor-core", "token-by-token")
-PREFILL_GEMMS = ("wgmma", "mma")
+PREFILL_GEMMS = ("wgmma", "mma", "rs")   # rs: INT4 only, the lab's RS form (gpu.projection.Int4RsProjections)
 DECODE_MODES = ("persistent", "graph")
 # Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu).
 SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")
@@ -38,12 +38,14 @@ SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
 PERSISTENT_STEP = "persistent step"     # the one region of the persistent decode step
 
 
-def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4", decode: str = "graph") -> ArenaPlan:
+def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4", decode: str = "graph",
+               prefill_gemm: str | None = None) -> ArenaPlan:
     """Every device buffer of the engine, by name. Weights are re-arranged for the kernels:
     q/k/v rows are stacked into one qkv matrix and gate/up into one gate_up matrix
     (layout.decode_gemv_shapes); the file's weight encoding lays out the four matrices and
     adds the buffers its kernels need (gpu.projection). The persistent decode step adds a
-    layout-3 copy of each INT4 projection (gpu.persistent; the prefill reads layout 1)."""
+    layout-3 copy of each INT4 projection (gpu.persistent; the prefill reads layout 1), the RS
+    prefill (prefill_gemm="rs") a copy in the RS order (gpu.projection.Int4RsProjections)."""
     projections = ENCODINGS[encoding]
     p = ArenaPlan()
     h, i = dims.hidden, dims.intermediate
@@ -54,6 +56,8 @@ def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4", decode:
         p.add(w + "ln2", np.float16, (h,))
         p.add(w + "qkv.bias", np.float16, (dims.qkv_dim,))
         projections.add_slots(p, w, dims)
+        if prefill_gemm == "rs":
+            Int4RsProjections.add_rs_slots(p, w, dims)
     p.add("w.norm", np.float16, (h,))
     if not dims.tie_embeddings:
         p.add("w.lm_head", np.float16, (dims.vocab, h))
@@ -163,6 +167,9 @@ class GpuBackend:
             decode = persistent_or_graph(nq_file.dims, asked is not None)
         if prefill_gemm is not None and prefill_gemm not in PREFILL_GEMMS:
             raise LimitError("<engine>", "prefill_gemm", f"one of {PREFILL_GEMMS}", repr(prefill_gemm))
+        if prefill_gemm == "rs" and nq_file.encoding != "int4":
+            raise LimitError(str(nq_file.path), "prefill_gemm", "wgmma or mma for an FP8 file (rs reads INT4)",
+                             repr(prefill_gemm))
         import cupy as cp
         from nanoqwen_lib.gpu import ops_attention, ops_decode, ops_prefill
         from nanoqwen_lib.gpu.cuda_build import load_module
@@ -171,11 +178,15 @@ class GpuBackend:
         self.encoding = nq_file.encoding
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
         self.decode_mode = decode
-        self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding, decode), source=nq_file.path)
-        self.proj = ENCODINGS[self.encoding](a, prefill_gemm or load().engine.prefill_gemm[self.encoding])
+        gemm = prefill_gemm or load().engine.prefill_gemm[self.encoding]
+        self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding, decode, gemm),
+                                     source=nq_file.path)
+        self.proj = Int4RsProjections(a) if gemm == "rs" else ENCODINGS[self.encoding](a, gemm)
         tensors = nq_file.model_tensors()      # validated before this point (NanoqwenFile.open)
         for src, dst, row in weight_sources(dims):
             a.upload(dst, tensors[src], row)
+        if gemm == "rs":
+            self.proj.upload_rs(dims)
         self.lm_head = a["w.embed"] if dims.tie_embeddings else a["w.lm_head"]
         self.scalar = {n: a["s.scalars"][k * SCALAR_STRIDE:k * SCALAR_STRIDE + 1] for k, n in enumerate(SCALARS)}
         self.staging = cp.cuda.alloc_pinned_memory(a["s.scalars"].nbytes)   # host -> scalars

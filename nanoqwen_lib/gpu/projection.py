@@ -92,6 +92,64 @@ class Int4Projections(Projections):
         return lambda: self.pf.gemm_int4_swiglu(gate_up, qw, sc, out, residual=residual, act=act, kernel=self.gemm)
 
 
+class Int4RsProjections(Int4Projections):
+    """INT4 with the prefill on the lab's RS-form GEMM (kernels/lab/prefill_rs.cu: the weight is
+    wgmma's register A operand, converted by the consumers; issue 29), opt-in (prefill_gemm="rs")
+    until it is measured the faster. Decode as Int4Projections. Each projection gets a copy in the
+    RS order (and gate_up in the SwiGLU row order, its epilogue forming act), made on the GPU from
+    the layout-1 words at upload (add_rs_slots, upload_rs)."""
+
+    def __init__(self, arena, gemm: str = "rs"):
+        super().__init__(arena, "rs")
+        from nanoqwen_lib.gpu.hardware import hardware
+        from nanoqwen_lib.gpu.lab import prefill_rs
+        self.rs, self.sms, self.fused_gate_up = prefill_rs, hardware().sms, True
+
+    @property
+    def prefill_gemms(self) -> str:
+        return "INT4 GEMMs in wgmma's RS form (W the register operand, converted by the consumers; SwiGLU fused)"
+
+    @staticmethod
+    def rs_shapes(dims) -> dict:
+        """matrix -> ((blocks, K/64, 4, 32, 4) words, (blocks, K/128, 64) scales) of its RS copy."""
+        from nanoqwen_lib.format.quant import GROUP_SIZE
+        out = {}
+        for m, (n, k) in decode_gemv_shapes(dims).items():
+            nb = -(-(n // 2) // 32) if m == "gate_up" else -(-n // 64)
+            out[m] = ((nb, k // 64, 4, 32, 4), (nb, k // GROUP_SIZE, 64))
+        return out
+
+    @classmethod
+    def add_rs_slots(cls, plan, layer_prefix: str, dims) -> None:
+        for m, (w_shape, s_shape) in cls.rs_shapes(dims).items():
+            plan.add(f"{layer_prefix}{m}.rs", np.uint32, w_shape)
+            plan.add(f"{layer_prefix}{m}.rs_scales", np.float16, s_shape)
+
+    def upload_rs(self, dims) -> None:
+        """The RS copies from the layout-1 words and scales in the arena (on the GPU)."""
+        import cupy as cp
+        for l in range(dims.num_layers):
+            for m in decode_gemv_shapes(dims):
+                w = f"w.{l}.{m}"
+                qw, sc = self.weights(w)
+                if m == "gate_up":
+                    qw, sc = self.rs.swiglu_rows(qw, sc)
+                self.a[w + ".rs"][...] = self.rs.rs_order(qw)
+                self.a[w + ".rs_scales"][...] = self.rs.rs_scales(sc)
+        cp.cuda.Device().synchronize()      # the default stream's copies before the engine's stream reads them
+
+    def prefill(self, matrix: str, x, out, bias=None, residual=None):
+        qw, sc = self.weights(matrix)
+        w_rs, s_rs = self.a[matrix + ".rs"], self.a[matrix + ".rs_scales"]
+        build = self.rs.plan_rs(x.shape[0], qw.shape[0], self.sms)
+        return lambda: self.rs.gemm_int4_rs(x, w_rs, sc, out, bias=bias, residual=residual, scales_rs=s_rs, **build)
+
+    def prefill_gate_up(self, matrix: str, x, gate_up, act):
+        w_rs, s_rs = self.a[matrix + ".rs"], self.a[matrix + ".rs_scales"]
+        build = self.rs.plan_rs(x.shape[0], 2 * act.shape[1], self.sms)
+        return lambda: self.rs.gemm_int4_rs_swiglu(x, w_rs, s_rs, act, **build)
+
+
 class Fp8Projections(Projections):
     encoding = "fp8"
 

@@ -7,6 +7,7 @@ Issue 29's first step; PERFLOG ("Issue 29 ...") says which builds ran on the H20
                                          shared-memory path's: one 128-byte copy a block and group)
     gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None, **build)
                                          Y = fp16(X W^T [+ bias] [+ residual]), ops_prefill's contract
+    plan_rs(t, n, sms)                   the build for a shape (2 or 3 consumer warpgroups, a wave model)
     swiglu_rows(words, scales)           gate_up's rows [2I, ...] -> the SwiGLU row order (gate and up
                                          of a feature in one thread's two rows), rows padded to 64 ceil(I/32)
     gemm_int4_rs_swiglu(x, w_rs, scales_rs, act, **build)
@@ -91,6 +92,18 @@ def swiglu_rows(words, scales) -> tuple[np.ndarray, np.ndarray]:
     w_out[gate_at], w_out[gate_at + 8] = words[:i], words[i:]
     s_out[gate_at], s_out[gate_at + 8] = scales[:i], scales[i:]
     return w_out, s_out
+
+
+def plan_rs(t: int, n: int, sms: int) -> dict:
+    """The build for a GEMM of T tokens and N output rows (gate_up with SwiGLU: N = 2I) on `sms`
+    SMs: 2 or 3 consumer warpgroups, by a wave model in which a CTA's time grows with its
+    features plus one warpgroup's worth of fixed cost, waves(tiles) x (64 CWG + 64); fit to the
+    first H200 run at T = 512 (PERFLOG, "the RS form on the H200"), whose fastest build per shape
+    it picks: qkv 3, o_proj 2, gate_up 3, down 2."""
+    def cost(cwg: int) -> int:
+        tiles = -(-n // (ROWS * cwg)) * -(-t // RS_BUILD["NQ_RS_BM"])
+        return -(-tiles // sms) * (ROWS * cwg + ROWS)
+    return {} if cost(2) <= cost(3) else {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}
 
 
 def smem_bytes(build: dict) -> int:
