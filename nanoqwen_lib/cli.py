@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill to time (default tensor-core; token-by-token is the simple baseline)")
     s.add_argument("--prefill-gemm", choices=["wgmma", "mma", "rs"], default=None,
                    help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm; "
-                        "mma is the earlier mma.sync kernel, for comparison; rs the lab's RS form, INT4 only)")
+                        "mma is the earlier mma.sync kernel, for comparison; rs the RS form, INT4 only)")
     s.add_argument("--decode", choices=["persistent", "graph"], default=None,
                    help="the decode step (default: nanoqwen.yaml engine.decode): one persistent kernel a token, "
                         "or the kernel-per-op CUDA graph")

@@ -119,7 +119,7 @@ def test_int4_prefill_on_the_rs_form(monkeypatch, recorded, dims_name, t, start)
     (the arena's `.rs` / `.rs_scales` slots), with plan_rs's build and its grid; every argument
     passes the launcher's checks."""
     from nanoqwen_lib.format.layout import decode_gemv_shapes
-    from nanoqwen_lib.gpu.lab import prefill_rs
+    from nanoqwen_lib.gpu import ops_prefill_rs as prefill_rs
 
     builds = []
 

@@ -1,4 +1,4 @@
-"""The lab's RS-form INT4 GEMM (kernels/lab/prefill_rs.cu) against float64 (needs a Hopper GPU).
+"""The RS-form INT4 GEMM (kernels/prefill_rs.cu) against float64 (needs a Hopper GPU).
 
 test_gpu_prefill_wgmma.py's INT4 bound and reference (one fp16 ulp of the float64 x . w16
 result, w16 = fp16(code * scale), plus (K/16 + 8) 2^-24 sum |x w| for the FP32 sums), fresh
@@ -17,7 +17,7 @@ from nanoqwen_lib.gpu import cuda_build  # noqa: E402
 if not cuda_build.have_gpu():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from nanoqwen_lib.gpu.lab import prefill_rs  # noqa: E402
+from nanoqwen_lib.gpu import ops_prefill_rs as prefill_rs  # noqa: E402
 from .test_gpu_prefill_wgmma import check_int4, int4_ref, rand16, rand_int4  # noqa: E402
 
 

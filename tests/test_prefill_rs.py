@@ -1,4 +1,4 @@
-"""The lab's RS-form INT4 GEMM (kernels/lab/prefill_rs.cu) on the CPU: its weight order puts
+"""The RS-form INT4 GEMM (kernels/prefill_rs.cu) on the CPU: its weight order puts
 every code where wgmma's register A fragment wants it, and its build is the RS form (HGMMA with
 a register A operand, no shared-memory store of the weights, no spill, no serialized wgmma).
 Its results against float64: tests/test_gpu_prefill_rs.py (needs a Hopper GPU)."""
@@ -12,7 +12,7 @@ import pytest
 from nanoqwen_lib.errors import NanoqwenError
 from nanoqwen_lib.format import quant
 from nanoqwen_lib.gpu import cuda_build
-from nanoqwen_lib.gpu.lab import prefill_rs
+from nanoqwen_lib.gpu import ops_prefill_rs as prefill_rs
 
 # One RS word's 8 codes, in ValueShuffle's value order: (row, column) offsets from (16 w + g,
 # 16 s + 2 t); the kernel's conversion pairs values (2p, 2p + 1) into its a[p].
@@ -113,7 +113,7 @@ BUILDS = [{}, {"NQ_RS_OVERLAP": 1, "NQ_RS_WSMEM": 0}, {"NQ_RS_BM": 64}, {"NQ_RS_
 def test_rs_build_is_the_register_form(change):
     build = {**prefill_rs.RS_BUILD, **change}
     overlap = build["NQ_RS_OVERLAP"]
-    _, log = cuda_build.compile_cubin("lab/prefill_rs", None, build)
+    _, log = cuda_build.compile_cubin("prefill_rs", None, build)
     report = " ".join(cuda_build.resource_report(log))
     assert "0 bytes spill stores" in report, report
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
@@ -121,7 +121,7 @@ def test_rs_build_is_the_register_form(change):
     # the default waits for each group before converting the next k-tile: no serialization;
     # overlapping in one warpgroup is what ptxas serializes (C7513), kept to show it
     assert ("C7513" in log) == bool(overlap), log
-    text = cuda_build.sass("lab/prefill_rs", None, build)
+    text = cuda_build.sass("prefill_rs", None, build)
     hgmma = [l for l in text.splitlines() if "HGMMA" in l]
     form = re.compile(rf"HGMMA\.64x{build['NQ_RS_BM']}x16\.F32 R\d+, R\d+, gdesc\[")
     assert hgmma and all(form.search(l) for l in hgmma), hgmma[:3]
@@ -140,9 +140,9 @@ def test_rs_probes_build(probe, wsmem):
     """The timing probes (tools/bench_prefill_rs.py): 1 keeps the wgmmas without the conversion,
     2 the conversion without the wgmmas; both compile without spills."""
     build = {**prefill_rs.RS_BUILD, "NQ_RS_PROBE": probe, "NQ_RS_WSMEM": wsmem}
-    _, log = cuda_build.compile_cubin("lab/prefill_rs", None, build)
+    _, log = cuda_build.compile_cubin("prefill_rs", None, build)
     assert "0 bytes spill stores" in " ".join(cuda_build.resource_report(log)), log
-    hgmma = [l for l in cuda_build.sass("lab/prefill_rs", None, build).splitlines() if "HGMMA" in l]
+    hgmma = [l for l in cuda_build.sass("prefill_rs", None, build).splitlines() if "HGMMA" in l]
     assert bool(hgmma) == (probe == 1)
 
 
@@ -150,8 +150,8 @@ def test_the_build_has_one_source():
     """The kernel's nq-build line is what the launcher reads and what compile_options passes."""
     assert set(prefill_rs.RS_BUILD) == {"NQ_RS_BM", "NQ_RS_CWG", "NQ_RS_STAGES", "NQ_RS_PF", "NQ_RS_OVERLAP", "NQ_RS_KG", "NQ_RS_WSMEM", "NQ_RS_PROBE",
                                        "NQ_RS_SWIGLU"}
-    opts = cuda_build.compile_options(None, cuda_build.planned_defines("lab/prefill_rs", None), include_cuda=False,
-                                      name="lab/prefill_rs")
+    opts = cuda_build.compile_options(None, cuda_build.planned_defines("prefill_rs", None), include_cuda=False,
+                                      name="prefill_rs")
     for k, v in prefill_rs.RS_BUILD.items():
         assert f"-D{k}={v}" in opts
     assert cuda_build.kernel_build("prefill_gemm") == {}

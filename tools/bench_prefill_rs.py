@@ -1,4 +1,4 @@
-"""The lab's RS-form INT4 GEMM (kernels/lab/prefill_rs.cu) timed against the engine's wgmma
+"""The lab's RS-form INT4 GEMM (kernels/prefill_rs.cu) timed against the engine's wgmma
 plan (prefill_wgmma.cu) and cuBLAS FP16 on the 7B's four shapes, in one process (needs a GPU).
 
     python3 tools/bench_prefill_rs.py [--tokens 512 ...] [--shapes qkv ...] [--builds NAME ...] [--reps 20] [--json OUT]
@@ -7,7 +7,7 @@ Each shape: its GEMM checked once against the engine's wgmma output (the same w1
 scale) contract; the two sum in other orders, so within a few fp16 ulps, not bit-equal), then
 each build timed with CUDA events, median of --reps after warm-up; TFLOP/s = 2 T N K / time.
 The builds: BUILDS below (default: the default build and the variants tests/test_gpu_prefill_rs.py
-checks); "probe" builds time a part of the kernel (kernels/lab/prefill_rs.cu, NQ_RS_PROBE) and
+checks); "probe" builds time a part of the kernel (kernels/prefill_rs.cu, NQ_RS_PROBE) and
 their values are not checked.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> None:
     import cupy as cp
 
     from nanoqwen_lib.gpu import ops_prefill
-    from nanoqwen_lib.gpu.lab import prefill_rs
+    from nanoqwen_lib.gpu import ops_prefill_rs as prefill_rs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[512])

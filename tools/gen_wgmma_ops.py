@@ -1,5 +1,5 @@
 """Writes kernels/wgmma_ops.cuh: the wgmma wrappers of the prefill GEMMs, one per (type, N);
-and kernels/lab/wgmma_rs_ops.cuh: the lab's register-A (RS) f16 wrappers (kernels/lab/prefill_rs.cu).
+and kernels/wgmma_rs_ops.cuh: the register-A (RS) f16 wrappers (kernels/prefill_rs.cu).
 
 A wgmma names each of its N/2 FP32 accumulators as an asm operand, so every N needs its own
 asm string; this script writes them (run it after changing N_F16 / N_E4M3, commit the output).
@@ -11,9 +11,9 @@ from pathlib import Path
 
 N_F16 = (64, 112, 128, 144, 256)      # m64nNk16 f16 x f16 -> f32 (HGMMA)
 N_E4M3 = (64, 112, 128, 144, 256)     # m64nNk32 e4m3 x e4m3 -> f32 (QGMMA)
-N_F16_RS = (64, 128)                  # m64nNk16 f16 with A from registers (lab: prefill_rs.cu)
+N_F16_RS = (64, 128)                  # m64nNk16 f16 with A from registers (prefill_rs.cu)
 OUT = Path(__file__).resolve().parents[1] / "kernels" / "wgmma_ops.cuh"
-OUT_RS = Path(__file__).resolve().parents[1] / "kernels" / "lab" / "wgmma_rs_ops.cuh"
+OUT_RS = Path(__file__).resolve().parents[1] / "kernels" / "wgmma_rs_ops.cuh"
 
 
 def wrapper_rs(n: int) -> str:

@@ -30,7 +30,7 @@ from nanoqwen_lib.model.generate import check_request
 KV = load().kv_cache
 PREFILL_CHUNK = load().engine.prefill_chunk_tokens
 PREFILL_MODES = ("tensor-core", "token-by-token")
-PREFILL_GEMMS = ("wgmma", "mma", "rs")   # rs: INT4 only, the lab's RS form (gpu.projection.Int4RsProjections)
+PREFILL_GEMMS = ("wgmma", "mma", "rs")   # rs: INT4 only, the RS form (kernels/prefill_rs.cu) (gpu.projection.Int4RsProjections)
 DECODE_MODES = ("persistent", "graph")
 # Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu).
 SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")

@@ -93,7 +93,7 @@ class Int4Projections(Projections):
 
 
 class Int4RsProjections(Int4Projections):
-    """INT4 with the prefill on the lab's RS-form GEMM (kernels/lab/prefill_rs.cu: the weight is
+    """INT4 with the prefill on the RS-form GEMM (kernels/prefill_rs.cu: the weight is
     wgmma's register A operand, converted by the consumers; issue 29), opt-in (prefill_gemm="rs")
     until it is measured the faster. Decode as Int4Projections. Each projection gets a copy in the
     RS order (and gate_up in the SwiGLU row order, its epilogue forming act), made on the GPU from
@@ -102,7 +102,7 @@ class Int4RsProjections(Int4Projections):
     def __init__(self, arena, gemm: str = "rs"):
         super().__init__(arena, "rs")
         from nanoqwen_lib.gpu.hardware import hardware
-        from nanoqwen_lib.gpu.lab import prefill_rs
+        from nanoqwen_lib.gpu import ops_prefill_rs as prefill_rs
         self.rs, self.sms, self.fused_gate_up = prefill_rs, hardware().sms, True
 
     @property

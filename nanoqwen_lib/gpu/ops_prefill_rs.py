@@ -1,6 +1,7 @@
-"""The lab's INT4 prefill GEMM in wgmma's RS form (kernels/lab/prefill_rs.cu, sm_90a): the weight
+"""The INT4 prefill GEMM in wgmma's RS form (kernels/prefill_rs.cu, sm_90a): the weight
 is wgmma's A operand from registers, converted there from packed INT4, X the B operand by TMA.
-Issue 29's first step; PERFLOG ("Issue 29 ...") says which builds ran on the H200 and how fast.
+The engine runs it with prefill_gemm="rs" (gpu.projection.Int4RsProjections, opt-in); PERFLOG
+("Issue 29 ...") says which builds ran and how fast.
 
     rs_order(words)                      ValueShuffle words [N, K/8] -> the kernel's order (uint32)
     rs_scales(scales)                    scales fp16 [N, K/128] -> [ceil(N/64), K/128, 64] (the
@@ -16,7 +17,7 @@ Issue 29's first step; PERFLOG ("Issue 29 ...") says which builds ran on the H20
 
 The RS order is a one-off reorder of the packed words (the same codes and nibble encoding: one
 16-byte load per thread and k-tile is four words, each the A fragment of one k16 step), so a
-file keeps its layout and the engine would reorder at upload if this form is adopted.
+file keeps its layout and the engine reorders at upload (on the GPU: the reorders take NumPy or CuPy).
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from nanoqwen_lib.format.stream_layout import array_module
 from nanoqwen_lib.gpu import cuda_build
 from nanoqwen_lib.gpu.launch_checks import check_device_buffer, device_ptr
 
-# The kernel's build, from its nq-build line (kernels/lab/prefill_rs.cu says what each name is).
-RS_BUILD = cuda_build.kernel_build("lab/prefill_rs")
+# The kernel's build, from its nq-build line (kernels/prefill_rs.cu says what each name is).
+RS_BUILD = cuda_build.kernel_build("prefill_rs")
 RS_K_ALIGN = 128          # K: whole scale groups (and k-tiles of 64)
 ROWS = 64                 # weight rows a consumer warpgroup takes (wgmma M)
 
@@ -43,10 +44,10 @@ def rs_order(words, xp=None) -> np.ndarray:
     xp = array_module(words, xp)
     words = xp.asarray(words)
     if words.dtype != np.uint32 or words.ndim != 2:
-        raise NanoqwenError("lab.prefill_rs.rs_order", "words", "uint32 [N, K/8]", f"{words.dtype} {words.shape}")
+        raise NanoqwenError("ops_prefill_rs.rs_order", "words", "uint32 [N, K/8]", f"{words.dtype} {words.shape}")
     n_rows, k = words.shape[0], words.shape[1] * 8
     if k % RS_K_ALIGN:
-        raise NanoqwenError("lab.prefill_rs.rs_order", "K", f"a multiple of {RS_K_ALIGN}", k)
+        raise NanoqwenError("ops_prefill_rs.rs_order", "K", f"a multiple of {RS_K_ALIGN}", k)
     nb = -(-n_rows // ROWS)
     codes = xp.zeros((nb * ROWS, k), np.int8)
     codes[:n_rows] = quant.unpack_int4_value_shuffle(words, xp)
@@ -63,7 +64,7 @@ def rs_scales(scales, xp=None) -> np.ndarray:
     xp = array_module(scales, xp)
     scales = xp.asarray(scales)
     if scales.dtype != np.float16 or scales.ndim != 2:
-        raise NanoqwenError("lab.prefill_rs.rs_scales", "scales", "fp16 [N, K/128]", f"{scales.dtype} {scales.shape}")
+        raise NanoqwenError("ops_prefill_rs.rs_scales", "scales", "fp16 [N, K/128]", f"{scales.dtype} {scales.shape}")
     n_rows, groups = scales.shape
     nb = -(-n_rows // ROWS)
     out = xp.zeros((nb * ROWS, groups), np.float16)
@@ -80,9 +81,9 @@ def swiglu_rows(words, scales) -> tuple[np.ndarray, np.ndarray]:
     xp = array_module(words)
     words, scales = xp.asarray(words), xp.asarray(scales)
     if words.dtype != np.uint32 or words.ndim != 2 or words.shape[0] % 2:
-        raise NanoqwenError("lab.prefill_rs.swiglu_rows", "words", "uint32 [2I, K/8]", f"{words.dtype} {words.shape}")
+        raise NanoqwenError("ops_prefill_rs.swiglu_rows", "words", "uint32 [2I, K/8]", f"{words.dtype} {words.shape}")
     if scales.dtype != np.float16 or scales.shape != (words.shape[0], words.shape[1] * 8 // quant.GROUP_SIZE):
-        raise NanoqwenError("lab.prefill_rs.swiglu_rows", "scales", f"fp16 [{words.shape[0]}, K/128]",
+        raise NanoqwenError("ops_prefill_rs.swiglu_rows", "scales", f"fp16 [{words.shape[0]}, K/128]",
                             f"{scales.dtype} {scales.shape}")
     i = words.shape[0] // 2
     f = xp.arange(i)
@@ -109,7 +110,7 @@ def plan_rs(t: int, n: int, sms: int) -> dict:
 def smem_bytes(build: dict) -> int:
     """Dynamic shared memory of nq_prefill_rs: the X ring (and with NQ_RS_WSMEM each stage's packed W,
     2048 bytes, and scales, 128 bytes, per consumer warpgroup), 1024 bytes of alignment slack, the
-    barriers (kernels/lab/prefill_rs.cu: RING_BYTES)."""
+    barriers (kernels/prefill_rs.cu: RING_BYTES)."""
     w_stage = build["NQ_RS_CWG"] * (2048 + 128) if build["NQ_RS_WSMEM"] else 0
     return build["NQ_RS_STAGES"] * (build["NQ_RS_BM"] * 128 + w_stage) + 1024 + 2 * 8 * build["NQ_RS_STAGES"]
 
@@ -117,7 +118,7 @@ def smem_bytes(build: dict) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel(build_items: tuple):
     build = dict(build_items)
-    kern = cuda_build.load_module("lab/prefill_rs", None, build).get_function("nq_prefill_rs")
+    kern = cuda_build.load_module("prefill_rs", None, build).get_function("nq_prefill_rs")
     kern.max_dynamic_shared_size_bytes = smem_bytes(build)
     return kern
 
@@ -125,7 +126,7 @@ def _kernel(build_items: tuple):
 def gemm_int4_rs_swiglu(x, w_rs, scales_rs, act, **build) -> None:
     """act[T, I] = fp16(silu(fp16(g)) * fp16(u)), [g | u] = x gate_up^T, on the GPU; x fp16 [T, K],
     w_rs = rs_order of swiglu_rows' words, scales_rs = rs_scales of its scales (on the device)."""
-    where = "lab.prefill_rs.gemm_int4_rs_swiglu"
+    where = "ops_prefill_rs.gemm_int4_rs_swiglu"
     unknown = set(build) - set(RS_BUILD)
     if unknown or build.get("NQ_RS_WSMEM", 1) != 1 or "NQ_RS_SWIGLU" in build:
         raise NanoqwenError(where, "build", f"names of {sorted(RS_BUILD)} (the shared-memory path; SwiGLU set here)",
@@ -147,7 +148,7 @@ def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None,
     """out[T, N] = fp16(x W^T [+ bias] [+ residual]) on the GPU; x fp16 [T, K], w_rs the RS order
     of W (rs_order, on the device), scales fp16 [N, K/128], scales_rs their RS order (rs_scales, on
     the device; the shared-memory path, NQ_RS_WSMEM=1, needs it); build: RS_BUILD's names to override."""
-    where = "lab.prefill_rs.gemm_int4_rs"
+    where = "ops_prefill_rs.gemm_int4_rs"
     unknown = set(build) - set(RS_BUILD)
     if unknown:
         raise NanoqwenError(where, "build", f"names of {sorted(RS_BUILD)}", sorted(unknown))

@@ -1,4 +1,4 @@
-// lab/prefill_rs.cu: the INT4 prefill GEMM in wgmma's RS form (lab, issue 29; PERFLOG says what ran).
+// prefill_rs.cu: the INT4 prefill GEMM in wgmma's RS form (issue 29; the engine runs it with prefill_gemm="rs"; PERFLOG says what ran).
 // nq-arch: sm_90a
 //   nq_prefill_rs   Y[T,N] = fp16(X W^T [+ bias] [+ residual]); X fp16 [T, K], W INT4 in the RS
 //                   order below, scales fp16 [N, K/128] (and in the RS order, [N/64][K/128][64],
@@ -23,7 +23,7 @@
 // for the W words prefetched for later k-tiles; each k-tile then waits for a global load issued
 // one k-tile before. Loads from shared memory return in tens of cycles.
 //
-// The RS order (nanoqwen_lib/gpu/lab/prefill_rs.py: rs_order, from the ValueShuffle words):
+// The RS order (nanoqwen_lib/gpu/ops_prefill_rs.py: rs_order, from the ValueShuffle words):
 // uint4 index ((n64 * KT + kt) * 4 + w) * 32 + l for feature block n64 (64 rows), k-tile kt (64 k),
 // warp w of the consumer warpgroup, lane l (g = l/4, t = l%4). Its word s (k16 step s of the k-tile)
 // is the ValueShuffle word of the 8 codes (row, k), c = 64 kt + 16 s + 2t, r = 64 n64 + 16 w + g:
@@ -31,11 +31,11 @@
 // so that its four converted half2 are a[0..3] of wgmma_rs_ops.cuh's fragment, in order. A warp
 // reads 512 contiguous bytes a k-tile. Rows past N hold code 0 (their outputs are not stored).
 #include "hopper.cuh"
-#include "lab/wgmma_rs_ops.cuh"
+#include "wgmma_rs_ops.cuh"
 
 // nq-build: NQ_RS_BM=128 NQ_RS_CWG=2 NQ_RS_STAGES=4 NQ_RS_PF=4 NQ_RS_OVERLAP=0 NQ_RS_KG=1 NQ_RS_WSMEM=1 NQ_RS_PROBE=0 NQ_RS_SWIGLU=0
 // The build above reaches this file as -D (cuda_build.kernel_build); the launcher reads the same
-// line (nanoqwen_lib/gpu/lab/prefill_rs.py: RS_BUILD) and may override each name:
+// line (nanoqwen_lib/gpu/ops_prefill_rs.py: RS_BUILD) and may override each name:
 //   NQ_RS_BM tokens per CTA (the wgmma N: 64, 128), NQ_RS_CWG consumer warpgroups (64 features each),
 //   NQ_RS_STAGES the X ring's depth, NQ_RS_PF k-tiles of W in registers ahead of use (the k loop is
 //   unrolled by it), NQ_RS_OVERLAP 1: convert k-tile kt+1 while kt's wgmmas run in the same
@@ -105,6 +105,7 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
 }
 // One RS word -> a[0..3]: (nibbles 0, 4) row r, (1, 5) row r+8, (2, 6) row r, (3, 7) row r+8;
 // s_r, s_r8: the two rows' scales as half2 pairs.
+// [rs-convert]
 __device__ __forceinline__ void convert(uint32_t (&a)[4], uint32_t w, uint32_t s_r, uint32_t s_r8) {
   const uint32_t w_hi = nqptx::prmt(w, 0u, 0x3311u);
   a[0] = hmul2(nqptx::hsub2((w & 0x000F000Fu) ^ kMagicLo, kMagicLo), s_r);
@@ -112,6 +113,7 @@ __device__ __forceinline__ void convert(uint32_t (&a)[4], uint32_t w, uint32_t s
   a[2] = hmul2(nqptx::hsub2((w_hi & 0x000F000Fu) ^ kMagicLo, kMagicLo), s_r);
   a[3] = hmul2(nqptx::hsub2((w_hi & 0x00F000F0u) ^ kMagicHi, kMagicHi), s_r8);
 }
+// [/rs-convert]
 
 __device__ __forceinline__ void producer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
                                          int m0, int n0, int KT) {
@@ -174,6 +176,7 @@ __device__ __forceinline__ void issue_group(float (&acc)[BM / 2], const uint32_t
 
 // The shared-memory path (NQ_RS_WSMEM 1): per k-tile, wait for the stage, read this thread's 16
 // bytes of W and its two rows' scales from it, convert, and issue (KG k-tiles a group).
+// [rs-consumer]
 __device__ __forceinline__ void consumer_smem(unsigned char* smem, uint64_t* full, uint64_t* empty, int cw, int KT,
                                               float (&acc)[BM / 2]) {
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2;
@@ -207,6 +210,7 @@ __device__ __forceinline__ void consumer_smem(unsigned char* smem, uint64_t* ful
     }
   }
 }
+// [/rs-consumer]
 
 // One consumer warpgroup cw: features n0 + 64 cw .. + 63, every token of the tile.
 __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
