@@ -155,3 +155,13 @@ def test_the_build_has_one_source():
     for k, v in prefill_rs.RS_BUILD.items():
         assert f"-D{k}={v}" in opts
     assert cuda_build.kernel_build("prefill_gemm") == {}
+
+
+def test_plan_rs_picks_the_measured_fastest_build():
+    """plan_rs's wave model picks, on 132 SMs at T = 512, the build measured fastest per shape
+    (PERFLOG, "Issue 29 measured"): qkv and gate_up (SwiGLU, N = 2I) 3 consumer warpgroups,
+    o_proj and down 2; one token tile (T <= 128) keeps qkv's 72 CTAs of 2c in one wave."""
+    three = {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}
+    assert [prefill_rs.plan_rs(512, n, 132) for n in (4608, 3584, 37888, 3584)] == [three, {}, three, {}]
+    assert prefill_rs.plan_rs(100, 4608, 132) == {}
+    assert prefill_rs.plan_rs(2048, 3584, 132) == {}     # 448 CTAs of 2c (4 waves) cost 304 of 3c (3): a tie keeps 2
