@@ -10,7 +10,7 @@ import numpy as np
 from nanoqwen_lib.gpu import ops_attention, ops_decode, ops_prefill
 from nanoqwen_lib.config import load
 from nanoqwen_lib.gpu.engine import GpuBackend, plan_arena
-from nanoqwen_lib.gpu.projection import ENCODINGS, Int4RsProjections
+from nanoqwen_lib.gpu.projection import projections_for
 
 
 class HostDeviceArray(np.ndarray):
@@ -41,7 +41,7 @@ def stand_in_engine(dims_name: str, max_tokens: int, encoding: str = "int4", pre
     eng.dims, eng.encoding = load().model(dims_name), encoding
     gemm = prefill_gemm or load().engine.prefill_gemm[encoding]
     eng.arena = stand_in_arena(plan_arena(eng.dims, max_tokens, encoding, prefill_gemm=gemm))
-    eng.proj = Int4RsProjections(eng.arena) if gemm == "rs" else ENCODINGS[encoding](eng.arena, gemm)
+    eng.proj = projections_for(encoding, gemm)(eng.arena, gemm)
     eng.chunk = eng.arena["p.x"].shape[0]
     eng.ops, eng.attn, eng.pf = ops_decode, ops_attention, ops_prefill
     eng.kv = eng.arena["kv"]

@@ -231,3 +231,36 @@ def test_launch_step_chooses_replay_or_eager_and_writes_the_token_first():
     eng.force(4)
     eng.launch_step(5)
     assert log == [("token", 4), ("eager", True), ("token", 5), ("eager", False)]
+
+
+def test_rs_launchers_check_as_every_prefill_gemm(monkeypatch, recorded):
+    """The RS launchers take launch_checks.check_prefill_gemm's checks (x, out, bias, residual,
+    out not x, 32-bit offsets) and refuse a build name they set themselves (NQ_RS_SWIGLU)."""
+    import numpy as np
+    from nanoqwen_lib.errors import NanoqwenError
+    from nanoqwen_lib.gpu import ops_prefill_rs as rs
+    from .stand_in import HostDeviceArray
+
+    monkeypatch.setattr(rs, "_kernel", lambda items: lambda grid, block, args, shared_mem=0:
+                        recorded.append(("nq_prefill_rs", tuple(grid), tuple(block))))
+
+    def zeros(shape, dtype):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw = np.zeros(n + 128, np.uint8)
+        base = (-raw.__array_interface__["data"][0]) % 128
+        return raw[base: base + n].view(dtype).reshape(shape).view(HostDeviceArray)
+    t, n, k = 64, 128, 128
+    x, sc = zeros((t, k), np.float16), zeros((n, 1), np.float16)
+    w_rs, s_rs = zeros((2, 2, 4, 32, 4), np.uint32), zeros((2, 1, 64), np.float16)
+    with pytest.raises(NanoqwenError, match="out") as e:
+        rs.gemm_int4_rs(x, w_rs, sc, x, scales_rs=s_rs)                       # out is x (N = K here)
+    assert "ops_prefill_rs.gemm_int4_rs" in str(e.value)
+    with pytest.raises(NanoqwenError, match="bias"):
+        rs.gemm_int4_rs(x, w_rs, sc, zeros((t, n), np.float16), bias=zeros((n + 8,), np.float16), scales_rs=s_rs)
+    with pytest.raises(NanoqwenError, match="build"):
+        rs.gemm_int4_rs(x, w_rs, sc, zeros((t, n), np.float16), scales_rs=s_rs, NQ_RS_SWIGLU=1)
+    with pytest.raises(NanoqwenError, match="act"):
+        rs.gemm_int4_rs_swiglu(x, w_rs, s_rs, zeros((t + 1, n // 2), np.float16))
+    rs.gemm_int4_rs(x, w_rs, sc, zeros((t, n), np.float16), scales_rs=s_rs)
+    rs.gemm_int4_rs_swiglu(x, w_rs, s_rs, zeros((t, n // 2), np.float16))
+    assert [c[0] for c in recorded] == ["nq_prefill_rs", "nq_prefill_rs"]

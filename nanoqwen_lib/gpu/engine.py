@@ -24,7 +24,7 @@ from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.gpu.arena import ArenaPlan, DeviceArena
 from nanoqwen_lib.gpu.layer import (ATTENTION, BOOKKEEPING, DOWN, EMBED, GATE_UP, LM_HEAD, NORM_IN, NORM_MLP,
                                     NORM_OUT, O_PROJ, QKV, ROPE)
-from nanoqwen_lib.gpu.projection import ENCODINGS, Int4RsProjections
+from nanoqwen_lib.gpu.projection import projections_for
 from nanoqwen_lib.model.generate import check_request
 
 KV = load().kv_cache
@@ -46,7 +46,7 @@ def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4", decode:
     adds the buffers its kernels need (gpu.projection). The persistent decode step adds a
     layout-3 copy of each INT4 projection (gpu.persistent; the prefill reads layout 1), the RS
     prefill (prefill_gemm="rs") a copy in the RS order (gpu.projection.Int4RsProjections)."""
-    projections = ENCODINGS[encoding]
+    projections = projections_for(encoding, prefill_gemm or load().engine.prefill_gemm[encoding])
     p = ArenaPlan()
     h, i = dims.hidden, dims.intermediate
     p.add("w.embed", np.float16, (dims.vocab, h))
@@ -56,8 +56,6 @@ def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4", decode:
         p.add(w + "ln2", np.float16, (h,))
         p.add(w + "qkv.bias", np.float16, (dims.qkv_dim,))
         projections.add_slots(p, w, dims)
-        if prefill_gemm == "rs":
-            Int4RsProjections.add_rs_slots(p, w, dims)
     p.add("w.norm", np.float16, (h,))
     if not dims.tie_embeddings:
         p.add("w.lm_head", np.float16, (dims.vocab, h))
@@ -181,12 +179,11 @@ class GpuBackend:
         gemm = prefill_gemm or load().engine.prefill_gemm[self.encoding]
         self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding, decode, gemm),
                                      source=nq_file.path)
-        self.proj = Int4RsProjections(a) if gemm == "rs" else ENCODINGS[self.encoding](a, gemm)
+        self.proj = projections_for(self.encoding, gemm)(a, gemm)
         tensors = nq_file.model_tensors()      # validated before this point (NanoqwenFile.open)
         for src, dst, row in weight_sources(dims):
             a.upload(dst, tensors[src], row)
-        if gemm == "rs":
-            self.proj.upload_rs(dims)
+        self.proj.after_upload(dims)
         self.lm_head = a["w.embed"] if dims.tie_embeddings else a["w.lm_head"]
         self.scalar = {n: a["s.scalars"][k * SCALAR_STRIDE:k * SCALAR_STRIDE + 1] for k, n in enumerate(SCALARS)}
         self.staging = cp.cuda.alloc_pinned_memory(a["s.scalars"].nbytes)   # host -> scalars

@@ -29,7 +29,7 @@ from nanoqwen_lib.errors import NanoqwenError
 from nanoqwen_lib.format import quant
 from nanoqwen_lib.format.stream_layout import array_module
 from nanoqwen_lib.gpu import cuda_build
-from nanoqwen_lib.gpu.launch_checks import check_device_buffer, device_ptr
+from nanoqwen_lib.gpu.launch_checks import check_device_buffer, check_prefill_gemm, device_ptr
 
 # The kernel's build, from its nq-build line (kernels/prefill_rs.cu says what each name is).
 RS_BUILD = cuda_build.kernel_build("prefill_rs")
@@ -123,65 +123,67 @@ def _kernel(build_items: tuple):
     return kern
 
 
+def _build(where: str, build: dict, **fixed) -> dict:
+    """RS_BUILD with the caller's overrides (names of RS_BUILD, NQ_RS_SWIGLU excepted: the launcher's)
+    and the launcher's `fixed` names."""
+    if set(build) - set(RS_BUILD) or "NQ_RS_SWIGLU" in build:
+        raise NanoqwenError(where, "build", f"names of {sorted(set(RS_BUILD) - {'NQ_RS_SWIGLU'})}", sorted(build))
+    return {**RS_BUILD, **build, **fixed}
+
+
+def _k(where: str, x) -> int:
+    """K of x [T, K], whole scale groups."""
+    if getattr(x, "ndim", 0) != 2:
+        raise NanoqwenError(where, "x.shape", "(T, K)", getattr(x, "shape", None))
+    if x.shape[1] % RS_K_ALIGN:
+        raise NanoqwenError(where, "x.shape[1]", f"K a multiple of {RS_K_ALIGN}", x.shape[1])
+    return x.shape[1]
+
+
 def gemm_int4_rs_swiglu(x, w_rs, scales_rs, act, **build) -> None:
     """act[T, I] = fp16(silu(fp16(g)) * fp16(u)), [g | u] = x gate_up^T, on the GPU; x fp16 [T, K],
     w_rs = rs_order of swiglu_rows' words, scales_rs = rs_scales of its scales (on the device)."""
     where = "ops_prefill_rs.gemm_int4_rs_swiglu"
-    unknown = set(build) - set(RS_BUILD)
-    if unknown or build.get("NQ_RS_WSMEM", 1) != 1 or "NQ_RS_SWIGLU" in build:
-        raise NanoqwenError(where, "build", f"names of {sorted(RS_BUILD)} (the shared-memory path; SwiGLU set here)",
-                            sorted(build))
-    if getattr(x, "ndim", 0) != 2 or getattr(act, "ndim", 0) != 2:
-        raise NanoqwenError(where, "x / act", "fp16 [T, K] / fp16 [T, I]",
-                            f"{getattr(x, 'shape', None)} / {getattr(act, 'shape', None)}")
-    (t, k), i = x.shape, act.shape[1]
-    if k % RS_K_ALIGN:
-        raise NanoqwenError(where, "x.shape[1]", f"K a multiple of {RS_K_ALIGN}", k)
+    b = _build(where, build, NQ_RS_SWIGLU=1)
+    if not b["NQ_RS_WSMEM"]:
+        raise NanoqwenError(where, "NQ_RS_WSMEM", "1 (SwiGLU reads its scales in the RS order)", b["NQ_RS_WSMEM"])
+    k = _k(where, x)
+    if getattr(act, "ndim", 0) != 2:
+        raise NanoqwenError(where, "act.shape", "(T, I)", getattr(act, "shape", None))
+    i = act.shape[1]
     nb = -(-i // 32)
-    check_device_buffer(where, "act", act, np.float16, (t, i))
+    t = check_prefill_gemm(where, x, act, 2 * i, k, weight_elems=2 * i * k // 8, out_field="act", out_cols=i)
     check_device_buffer(where, "w_rs", w_rs, np.uint32, (nb, k // 64, 4, 32, 4))      # rs_order(swiglu_rows)
     check_device_buffer(where, "scales_rs", scales_rs, np.float16, (nb, k // quant.GROUP_SIZE, ROWS))
-    _launch(where, x, w_rs, None, scales_rs, None, None, act, t, 2 * i, k, {**RS_BUILD, **build, "NQ_RS_SWIGLU": 1})
+    _launch(x, w_rs, None, scales_rs, None, None, act, t, 2 * i, k, b)
 
 
 def gemm_int4_rs(x, w_rs, scales, out, bias=None, residual=None, scales_rs=None, **build) -> None:
     """out[T, N] = fp16(x W^T [+ bias] [+ residual]) on the GPU; x fp16 [T, K], w_rs the RS order
     of W (rs_order, on the device), scales fp16 [N, K/128], scales_rs their RS order (rs_scales, on
-    the device; the shared-memory path, NQ_RS_WSMEM=1, needs it); build: RS_BUILD's names to override."""
+    the device; the shared-memory path, NQ_RS_WSMEM=1, needs it); build: RS_BUILD's names to override;
+    residual may be `out` (in place). The arguments: launch_checks.check_prefill_gemm's, as every
+    prefill GEMM's."""
     where = "ops_prefill_rs.gemm_int4_rs"
-    unknown = set(build) - set(RS_BUILD)
-    if unknown:
-        raise NanoqwenError(where, "build", f"names of {sorted(RS_BUILD)}", sorted(unknown))
-    b = {**RS_BUILD, **build}
-    if getattr(x, "ndim", 0) != 2 or getattr(scales, "ndim", 0) != 2:
-        raise NanoqwenError(where, "x / scales", "fp16 [T, K] / fp16 [N, K/128]",
-                            f"{getattr(x, 'shape', None)} / {getattr(scales, 'shape', None)}")
-    (t, k), n = x.shape, scales.shape[0]
-    if k % RS_K_ALIGN:
-        raise NanoqwenError(where, "x.shape[1]", f"K a multiple of {RS_K_ALIGN}", k)
+    b = _build(where, build, NQ_RS_SWIGLU=0)
+    k = _k(where, x)
+    if getattr(scales, "ndim", 0) != 2:
+        raise NanoqwenError(where, "scales.shape", "(N, K/128)", getattr(scales, "shape", None))
+    n = scales.shape[0]
+    t = check_prefill_gemm(where, x, out, n, k, bias, residual, weight_elems=n * k // 8)
     check_device_buffer(where, "scales", scales, np.float16, (n, k // quant.GROUP_SIZE))
     check_device_buffer(where, "w_rs", w_rs, np.uint32, (-(-n // ROWS), k // 64, 4, 32, 4))   # rs_order
-    check_device_buffer(where, "out", out, np.float16, (t, n))
-    if bias is not None:
-        check_device_buffer(where, "bias", bias, np.float16, (n,))
-    if residual is not None:
-        check_device_buffer(where, "residual", residual, np.float16, (t, n))   # may be `out` (in place)
     if b["NQ_RS_WSMEM"]:
         if scales_rs is None:
             raise NanoqwenError(where, "scales_rs", "the scales in the RS order (rs_scales) for NQ_RS_WSMEM=1", None)
         check_device_buffer(where, "scales_rs", scales_rs, np.float16, (-(-n // ROWS), k // quant.GROUP_SIZE, ROWS))
-    if b["NQ_RS_SWIGLU"]:
-        raise NanoqwenError(where, "NQ_RS_SWIGLU", "0 (the SwiGLU epilogue: gemm_int4_rs_swiglu)", b["NQ_RS_SWIGLU"])
-    _launch(where, x, w_rs, scales, scales_rs, bias, residual, out, t, n, k, b)
+    _launch(x, w_rs, scales, scales_rs, bias, residual, out, t, n, k, b)
 
 
-def _launch(where: str, x, w_rs, scales, scales_rs, bias, residual, out, t: int, n: int, k: int, b: dict) -> None:
-    """The checked arguments to nq_prefill_rs: grid, block, shared memory, X's tensor map."""
+def _launch(x, w_rs, scales, scales_rs, bias, residual, out, t: int, n: int, k: int, b: dict) -> None:
+    """nq_prefill_rs on checked arguments: grid, block, shared memory, X's tensor map."""
     from nanoqwen_lib.gpu import tensor_map
 
-    check_device_buffer(where, "x", x, np.float16, (t, k))
-    if t * k >= 2**31 or t * n >= 2**31:
-        raise NanoqwenError(where, "T * row length", "< 2^31 elements (32-bit offsets)", f"T={t}, N={n}, K={k}")
     xmap = tensor_map.device_map(x, (b["NQ_RS_BM"], 64), swizzle="128B")
     grid = (-(-n // (ROWS * b["NQ_RS_CWG"])), -(-t // b["NQ_RS_BM"]))
     _kernel(tuple(sorted(b.items())))(

@@ -44,6 +44,9 @@ class Projections:
     def weights(self, matrix: str) -> tuple:
         return self.a[matrix + ".qweight"], self.a[matrix + ".scales"]
 
+    def after_upload(self, dims) -> None:
+        """Once the file's tensors are in the arena: copies the kernels read besides them (none here)."""
+
     def prefill_gate_up(self, matrix: str, x, gate_up, act):
         """The MLP's first GEMM: gate_up = x W^T (act is formed by prefill_swiglu), unless the
         encoding fuses SwiGLU into this GEMM's epilogue (then act directly)."""
@@ -97,7 +100,7 @@ class Int4RsProjections(Int4Projections):
     wgmma's register A operand, converted by the consumers; issue 29), opt-in (prefill_gemm="rs")
     until it is measured the faster. Decode as Int4Projections. Each projection gets a copy in the
     RS order (and gate_up in the SwiGLU row order, its epilogue forming act), made on the GPU from
-    the layout-1 words at upload (add_rs_slots, upload_rs)."""
+    the layout-1 words at upload (add_slots, after_upload)."""
 
     def __init__(self, arena, gemm: str = "rs"):
         super().__init__(arena, "rs")
@@ -120,12 +123,15 @@ class Int4RsProjections(Int4Projections):
         return out
 
     @classmethod
-    def add_rs_slots(cls, plan, layer_prefix: str, dims) -> None:
+    def add_slots(cls, plan, layer_prefix: str, dims) -> None:
+        """Layout 1's slots (the decode GEMVs read them, and the RS copies are made from them), then
+        each matrix's RS copy: `.rs` and `.rs_scales`."""
+        super().add_slots(plan, layer_prefix, dims)
         for m, (w_shape, s_shape) in cls.rs_shapes(dims).items():
             plan.add(f"{layer_prefix}{m}.rs", np.uint32, w_shape)
             plan.add(f"{layer_prefix}{m}.rs_scales", np.float16, s_shape)
 
-    def upload_rs(self, dims) -> None:
+    def after_upload(self, dims) -> None:
         """The RS copies from the layout-1 words and scales in the arena (on the GPU)."""
         import cupy as cp
         for l in range(dims.num_layers):
@@ -203,3 +209,8 @@ class Fp8Projections(Projections):
 
 
 ENCODINGS = {p.encoding: p for p in (Int4Projections, Fp8Projections)}
+
+
+def projections_for(encoding: str, gemm: str) -> type:
+    """The projections class of a weight encoding with this prefill GEMM (rs: INT4's RS form)."""
+    return Int4RsProjections if (encoding, gemm) == ("int4", "rs") else ENCODINGS[encoding]
