@@ -424,9 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the ITL breakdown: each region of a decode token, eager and graph kernel_gap")
     s.add_argument("--prefill", choices=["tensor-core", "token-by-token"], default="tensor-core",
                    help="prefill to time (default tensor-core; token-by-token is the simple baseline)")
-    s.add_argument("--prefill-gemm", choices=["wgmma", "mma", "rs"], default=None,
-                   help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm; "
-                        "mma is the earlier mma.sync kernel, for comparison; rs the RS form, INT4 only)")
+    s.add_argument("--prefill-gemm", choices=["rs", "wgmma", "mma"], default=None,
+                   help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm: rs for "
+                        "INT4, wgmma for FP8); rs: wgmma's RS form, the weight converted in registers (INT4 "
+                        "only); wgmma: the producer form, dequantized into shared memory; mma: the earlier "
+                        "mma.sync kernels, for comparison")
     s.add_argument("--decode", choices=["persistent", "graph"], default=None,
                    help="the decode step (default: nanoqwen.yaml engine.decode): one persistent kernel a token, "
                         "or the kernel-per-op CUDA graph")

@@ -27,13 +27,22 @@ def test_every_tensor_uploaded_once_into_matching_slots(name):
 
 
 def test_arena_aligned_and_weights_match_decode_bytes():
+    """The weights in the arena are what a decode token reads plus the embedding table; with the
+    RS-form prefill (INT4's default) plus one RS copy of each projection, exactly its shapes."""
+    import numpy as np
+    from nanoqwen_lib.gpu.projection import Int4RsProjections
     dims = load().model("7b")
-    plan = plan_arena(dims, 32768)
-    assert all(off % 128 == 0 for off, _, _ in plan.slots.values())
     b = bytes_per_decode_token(dims)
     # weights in the arena = what a decode token reads + the embedding table (read one row)
     expect = b["int4_weights"] + b["scales"] + b["lm_head_fp16"] + b["norms_and_biases"] + dims.vocab * dims.hidden * 2
-    assert plan.bytes_of("w.") == expect
+    rs_copy = dims.num_layers * sum(int(np.prod(w)) * 4 + int(np.prod(s)) * 2
+                                    for w, s in Int4RsProjections.rs_shapes(dims).values())
+    # the copy holds every projection's words and scales again (rows padded to 64, none dropped)
+    assert b["int4_weights"] + b["scales"] <= rs_copy < 1.01 * (b["int4_weights"] + b["scales"])
+    for gemm, want in (("wgmma", expect), ("mma", expect), ("rs", expect + rs_copy), (None, expect + rs_copy)):
+        plan = plan_arena(dims, 32768, prefill_gemm=gemm)
+        assert all(off % 128 == 0 for off, _, _ in plan.slots.values())
+        assert plan.bytes_of("w.") == want, gemm
 
 
 def test_arena_refuses_what_does_not_fit_before_allocating(monkeypatch):

@@ -29,6 +29,7 @@ def recorded(monkeypatch):
     answering a distinct time per launch: -> (rows, calls in order)."""
     ops_fp8 = pytest.importorskip("nanoqwen_lib.gpu.ops_fp8")
     ops_prefill = pytest.importorskip("nanoqwen_lib.gpu.ops_prefill")
+    prefill_rs = pytest.importorskip("nanoqwen_lib.gpu.ops_prefill_rs")
     calls = []
 
     def recorder(fn):
@@ -36,7 +37,8 @@ def recorded(monkeypatch):
             calls.append((fn, args, kw))
         return launch
     for mod, fn in ((ops_prefill, "gemm_int4"), (ops_prefill, "gemm_int4_gate_up_swiglu"),
-                    (ops_fp8, "gemm_fp8"), (ops_fp8, "quantize_rows_fp8")):
+                    (ops_fp8, "gemm_fp8"), (ops_fp8, "quantize_rows_fp8"),
+                    (prefill_rs, "gemm_int4_rs"), (prefill_rs, "gemm_int4_rs_swiglu")):
         monkeypatch.setattr(mod, fn, recorder(fn))
     cp = _fake_cupy()
     real_matmul = cp.matmul
@@ -60,6 +62,7 @@ def test_rates_launches_each_kernel_with_the_layers_epilogue(recorded):
     shapes = decode_gemv_shapes(dims)
     assert [(r["matrix"], r["kernel"]) for r in rows] == [(m, k) for m in shapes for k in pg.KERNELS]
     assert len(timed) == len(rows)
+    rs_args, int4_args = {}, {}
     for r, launched in zip(rows, timed):
         assert len(launched) == 1, (r["matrix"], r["kernel"], launched)
         fn, args, kw = launched[0]
@@ -68,6 +71,26 @@ def test_rates_launches_each_kernel_with_the_layers_epilogue(recorded):
         assert (r["n"], r["k"]) == (n, k)
         if kern == "cublas fp16":
             assert fn == "cublas" and args[0].shape == (16, k) and args[1].shape == (k, n)
+            continue
+        if kern == "mma":
+            int4_args[m] = args
+        if kern == "rs":                    # the RS copies, plan_rs's build for the shape at 132 SMs
+            from nanoqwen_lib.gpu import ops_prefill_rs as prefill_rs
+            rs_args[m] = args, kw
+            build = prefill_rs.plan_rs(16, n, 132)
+            assert {b: kw[b] for b in build} == build, (m, kw)
+            x = args[0]
+            assert x.shape == (16, k)
+            if m == "gate_up":                                      # SwiGLU row order, act out
+                assert fn == "gemm_int4_rs_swiglu" and args[3].shape == (16, n // 2)
+                assert args[1].shape == (-(-(n // 2) // 32), k // 64, 4, 32, 4), args[1].shape
+                assert args[2].shape == (-(-(n // 2) // 32), k // 128, 64), args[2].shape
+            else:
+                assert fn == "gemm_int4_rs" and args[3].shape == (16, n)
+                assert args[1].shape == (-(-n // 64), k // 64, 4, 32, 4) and args[2].shape == (n, k // 128)
+                assert kw["scales_rs"].shape == (-(-n // 64), k // 128, 64)
+                assert (kw["bias"] is not None) == (m == "qkv"), (m, kern)
+                assert (kw["residual"] is args[3]) if m in ("o_proj", "down") else kw["residual"] is None
             continue
         if kern == "wgmma" and m == "gate_up":                       # SwiGLU fused: act out
             assert fn == "gemm_int4_gate_up_swiglu" and args[3].shape == (16, n // 2)
@@ -78,6 +101,16 @@ def test_rates_launches_each_kernel_with_the_layers_epilogue(recorded):
         assert out.shape == (16, n)
         assert (kw["bias"] is not None) == (m == "qkv"), (m, kern)
         assert (kw["residual"] is out) if m in ("o_proj", "down") else kw["residual"] is None, (m, kern)
+    for m, (args, kw) in rs_args.items():      # the RS copies hold the same weights as the others' words
+        from nanoqwen_lib.gpu import ops_prefill_rs as prefill_rs
+        x, words, scales = int4_args[m][:3]
+        assert args[0] is x
+        if m == "gate_up":
+            words, scales = prefill_rs.swiglu_rows(words, scales)
+            assert (args[1] == prefill_rs.rs_order(words)).all() and (args[2] == prefill_rs.rs_scales(scales)).all()
+        else:
+            assert args[2] is scales and (args[1] == prefill_rs.rs_order(words)).all()
+            assert (kw["scales_rs"] == prefill_rs.rs_scales(scales)).all()
     for r, i in zip(rows, range(1, len(rows) + 1)):                 # TFLOP/s from the time answered
         assert r["ms"] == pytest.approx(0.01 * i)
         assert r["tflops"] == pytest.approx(2.0 * 16 * r["n"] * r["k"] / (r["ms"] * 1e-3) / 1e12, rel=1e-12)

@@ -73,13 +73,20 @@ for what in "$@"; do
     records-refresh)
       # The records chapters 4 and 12 quote, measured again by their writers into book/data with
       # their provenance (commit: NANOQWEN_GIT_COMMIT); run before exec= of those chapters.
-      t0=$(date +%s); mkdir -p /tmp/rec
-      timeout 150 python3 tools/bench_gemv.py --bulk-only --out /tmp/rec/gemv-bulk.json 2>&1 | tail -4
-      timeout 150 python3 tools/bench_prefill.py --fp8 --reps 20 --json /tmp/rec/prefill-fp8.json 2>&1 | tail -3
-      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b'))")
-      timeout 200 python3 -m nanoqwen_lib bench "$f" --no-verify --decode graph --breakdown --json book/data/bench-int4.json 2>&1 | grep -E "TTFT|ITL|MBU" | head -3
-      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b', weights='fp8'))")
-      timeout 200 python3 -m nanoqwen_lib bench "$f" --no-verify --breakdown --json book/data/bench-fp8.json 2>&1 | grep -E "TTFT|ITL|MBU" | head -3
+      # REFRESH: which of them (default all four: gemv-bulk prefill-fp8 bench-int4 bench-fp8)
+      t0=$(date +%s); mkdir -p /tmp/rec; refresh=" ${REFRESH:-gemv-bulk prefill-fp8 bench-int4 bench-fp8} "
+      [[ $refresh == *" gemv-bulk "* ]] && timeout 150 python3 tools/bench_gemv.py --bulk-only --out /tmp/rec/gemv-bulk.json 2>&1 | tail -4
+      [[ $refresh == *" prefill-fp8 "* ]] && timeout 150 python3 tools/bench_prefill.py --fp8 --reps 20 --json /tmp/rec/prefill-fp8.json 2>&1 | tail -3
+      if [[ $refresh == *" bench-int4 "* ]]; then
+        f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b'))")
+        timeout 200 python3 -m nanoqwen_lib bench "$f" --no-verify --decode graph --breakdown --json book/data/bench-int4.json 2>&1 \
+          | tee $OUT/bench-int4.log | grep -E "TTFT|ITL|MBU" | head -3
+      fi
+      if [[ $refresh == *" bench-fp8 "* ]]; then
+        f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b', weights='fp8'))")
+        timeout 200 python3 -m nanoqwen_lib bench "$f" --no-verify --breakdown --json book/data/bench-fp8.json 2>&1 \
+          | tee $OUT/bench-fp8.log | grep -E "TTFT|ITL|MBU" | head -3
+      fi
       python3 - <<'PY'
 import json
 from pathlib import Path
@@ -225,6 +232,20 @@ PY
       timeout ${FP8_TIMEOUT:-240} python3 tools/fp8_promotion.py --json $OUT/fp8-promotion.json 2>&1 | grep -v '^\[' \
         | tee $OUT/fp8-promotion.log | tail -24
       echo "fp8-promotion: $(( $(date +%s) - t0 )) s" ;;
+    ttft-gemms)
+      # INT4 TTFT on each prefill GEMM (TTFT_GEMMS, default: rs wgmma), graph decode, no breakdown
+      f=$(python3 -c "from nanoqwen_lib.synthetic.packed import packed_synthetic_direct as p; print(p('7b'))")
+      for g in ${TTFT_GEMMS:-rs wgmma}; do
+        timeout 150 python3 -m nanoqwen_lib bench "$f" --no-verify --decode graph --gen-tokens 16 --prefill-gemm $g \
+          --json $OUT/ttft-$g.json 2>&1 | grep -E "TTFT" | head -2 | sed "s/^/$g: /"
+      done ;;
+    fp8-ncu)
+      # ncu's view of the FP8 wgmma GEMM on the 7B's gate_up at T = 512 (one launch)
+      timeout ${NCU_TIMEOUT:-120} ncu --clock-control none --kernel-name nq_prefill_wgmma_fp8 --launch-skip 10 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section Occupancy python3 -c "from nanoqwen_lib import config; from nanoqwen_lib.measure import prefill_gemms as g; print(g.rates(config.load().model('7b'), 512, kernels=('fp8 wgmma',), warmup=3, iters=2))" \
+        > $OUT/ncu-fp8-gate_up.txt 2>&1
+      grep -E "Duration|Grid Size|Block Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Throughput|Stall" $OUT/ncu-fp8-gate_up.txt | head -24 ;;
     bench-prefill) timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_prefill.py --json $OUT/bench-prefill.json 2>&1 | tee $OUT/bench-prefill.log | tail -30 ;;
     book)
       for nb in book/[0-9]*.ipynb; do jupyter execute --inplace "$nb" >/dev/null 2>&1 || echo "EXEC FAILED $nb"; done

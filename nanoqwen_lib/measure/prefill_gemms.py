@@ -2,6 +2,9 @@
 kernels and on cuBLAS, in one process (needs a GPU).
 
     rates(dims, tokens) -> rows {"matrix", "kernel", "ms", "tflops"} for
+      rs           ops_prefill_rs.gemm_int4_rs on the RS copies (the engine's default: the build
+                   plan_rs picks for the shape and this GPU's SMs), the layer's epilogue as below;
+                   gate_up with SwiGLU fused (gemm_int4_rs_swiglu on the SwiGLU row order)
       wgmma        ops_prefill.gemm_int4(kernel="wgmma") with the layer's epilogue (qkv + bias,
                    o_proj and down + residual in place); gate_up with SwiGLU fused (act out)
       mma          the same on mma.sync (gate_up without SwiGLU: that kernel writes gate_up)
@@ -22,7 +25,7 @@ from nanoqwen_lib.config import ModelDims
 from nanoqwen_lib.format.layout import decode_gemv_shapes
 from nanoqwen_lib.measure.timing import time_cuda
 
-KERNELS = ("wgmma", "mma", "cublas fp16", "fp8 wgmma", "fp8 mma")
+KERNELS = ("rs", "wgmma", "mma", "cublas fp16", "fp8 wgmma", "fp8 mma")
 
 
 def _random_operands(rng, t: int, n: int, k: int):
@@ -37,7 +40,9 @@ def rates(dims: ModelDims, tokens: int, kernels=KERNELS, warmup: int = 3, iters:
           progress=None) -> list[dict]:
     import cupy as cp
 
-    from nanoqwen_lib.gpu import ops_fp8, ops_prefill
+    from nanoqwen_lib.gpu import ops_fp8, ops_prefill, ops_prefill_rs as prefill_rs
+    from nanoqwen_lib.gpu.hardware import hardware
+    sms = hardware().sms
     rng = np.random.default_rng(seed)
     rows = []
     for matrix, (n, k) in decode_gemv_shapes(dims).items():
@@ -56,6 +61,17 @@ def rates(dims: ModelDims, tokens: int, kernels=KERNELS, warmup: int = 3, iters:
             else:
                 launches[kern] = lambda kern=kern: ops_prefill.gemm_int4(x, words, scales, out, bias=bias,
                                                                          residual=res, kernel=kern)
+        if "rs" in kernels:
+            if matrix == "gate_up":
+                w_rs, s_rs = prefill_rs.swiglu_rows(words, scales)
+                w_rs, s_rs = prefill_rs.rs_order(w_rs), prefill_rs.rs_scales(s_rs)
+                act_rs = cp.empty((tokens, n // 2), cp.float16)
+                launches["rs"] = lambda: prefill_rs.gemm_int4_rs_swiglu(x, w_rs, s_rs, act_rs,
+                                                                       **prefill_rs.plan_rs(tokens, n, sms))
+            else:
+                w_rs, s_rs = prefill_rs.rs_order(words), prefill_rs.rs_scales(scales)
+                launches["rs"] = lambda: prefill_rs.gemm_int4_rs(x, w_rs, scales, out, bias=bias, residual=res,
+                                                                scales_rs=s_rs, **prefill_rs.plan_rs(tokens, n, sms))
         w16 = cp.asarray(rng.standard_normal((k, n), dtype=np.float32).astype(np.float16))   # dense W^T
         launches["cublas fp16"] = lambda: cp.matmul(x, w16, out=out)
         codes = cp.asarray(rng.integers(0, 256, size=(n, k), dtype=np.uint8) & 0xF7)   # finite E4M3 codes
