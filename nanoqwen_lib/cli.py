@@ -425,10 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill", choices=["tensor-core", "token-by-token"], default="tensor-core",
                    help="prefill to time (default tensor-core; token-by-token is the simple baseline)")
     s.add_argument("--prefill-gemm", choices=["rs", "wgmma", "mma"], default=None,
-                   help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm: rs for "
-                        "INT4, wgmma for FP8); rs: wgmma's RS form, the weight converted in registers (INT4 "
-                        "only); wgmma: the producer form, dequantized into shared memory; mma: the earlier "
-                        "mma.sync kernels, for comparison")
+                   help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm: wgmma); "
+                        "rs: wgmma's RS form, the weight converted in registers (INT4 only, opt-in); wgmma: the "
+                        "producer form, dequantized into shared memory; mma: the earlier mma.sync kernels")
     s.add_argument("--decode", choices=["persistent", "graph"], default=None,
                    help="the decode step (default: nanoqwen.yaml engine.decode): one persistent kernel a token, "
                         "or the kernel-per-op CUDA graph")
