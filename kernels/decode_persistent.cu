@@ -46,7 +46,7 @@
 // tile set to arrive adds the slices in slice order (deterministic) and runs the epilogue.
 // [/pd-gemv]
 //
-// Never hangs: a wait that exceeds NQ_PD_TIMEOUT_MS sets scalars[error] = 3 and gives up
+// Never hangs: a wait that exceeds NQ_PD_TIMEOUT_MS sets scalars[error] = 3 (kErrTimeout) and gives up
 // (every later wait of the launch then returns at once); the engine raises on it.
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
@@ -55,6 +55,8 @@
 #include "stream3.cuh"   // layout 3; gemv_int4.cuh (silu_mul); hopper.cuh; common.cuh
 #include "argmax.cuh"
 #include "rowops.cuh"   // sumsq8, rmsnorm8, dot8: the kernel-per-op kernels' arithmetic
+#include "decode_contract.cuh"   // the pointer table (enum Tab, LayerTab), Kind, Flags, S_*, kErr*:
+                                 // generated from nanoqwen_lib/gpu/decode_contract.py
 
 #ifndef NQ_HEAD_DIM
 #error "decode_persistent.cu needs the model dims (cuda_defines(dims))"
@@ -180,24 +182,9 @@ static_assert(GQA <= 8, "at most 8 query heads per KV head (registers of the att
 static_assert(D % 64 == 0 && D / 32 <= 4, "head_dim 64 or 128: 2 or 4 dims per lane");
 static_assert(H % 8 == 0, "rows of 16-byte chunks");
 
-// [pd-tab]
-// Every pointer the step needs, in one int64 table built by nanoqwen_lib/gpu/persistent.py
-// (TAB_GLOBALS / TAB_LAYER there, same order; a CPU test compares the two lists).
-enum Tab {
-  T_EMBED, T_NORM, T_LM_HEAD, T_LOGITS, T_SCALARS, T_BLOCK_TABLE, T_FREE_PAGES, T_GENERATED,
-  T_X, T_QKV, T_ATTN, T_GATE_UP, T_SYNC, T_WS, T_TILE_CNT, T_ATTN_WS, T_ATTN_CNT,
-  T_ARG_VAL, T_ARG_IDX, T_ARG_CNT, T_TIMELINE, T_INV_FREQ, T_MAX_PAGES, T_PROBE, T_GRID, T_WS_DOWN, T_QKV_TAG, T_GLOBALS
-};
-enum LayerTab { L_QKV, L_O, L_GATE_UP, L_DOWN, L_LN1, L_LN2, L_QKV_BIAS, L_K, L_V, L_FIELDS };
-constexpr int kLayerBase = 32, kLayerStride = 16;
-static_assert(T_GLOBALS <= kLayerBase && L_FIELDS <= kLayerStride, "table slots");
-// [/pd-tab]
-
-enum Kind { K_BEGIN, K_QKV, K_ATTN, K_O, K_GATE_UP, K_DOWN, K_LM_HEAD, K_END };
-enum Flags { F_BEGIN = 1, F_HEAD = 2 };
-// scalars (engine_step.cu): token, position, context_len, slot, free_top, error
-constexpr int S_TOKEN = 0, S_POSITION = 1, S_CONTEXT = 2, S_SLOT = 3, S_FREE_TOP = 4, S_ERROR = 5;
-constexpr int kErrTimeout = 3;
+// The pointer table tab[] (enum Tab; layer l's enum LayerTab at kLayerBase + kLayerStride * l),
+// the instruction kinds, the flags, the scalar slots and the error codes: decode_contract.cuh,
+// the one contract with nanoqwen_lib/gpu/persistent.py (both from gpu/decode_contract.py).
 
 struct Gemv { int N, K, TG, KS; };
 constexpr Gemv kQkv{QKV_DIM, H, NQ_PD_QKV_TG, NQ_PD_QKV_KS};
@@ -567,7 +554,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     return u.live && (int)threadIdx.x < u.nt * 16 && row < N;
   };
   int my_row;
-  if (u.live && u.nt * 16 > kThreads && threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 5);
+  if (u.live && u.nt * 16 > kThreads && threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, kErrPlan);
   __shared__ float sepi[kThreads];   // bias or residual of row i (shared memory: no register through the loop)
   if (kEpi == EP_BIAS && row_live(my_row)) sepi[threadIdx.x] = __half2float(__ldg(bias + my_row));
   // The warp's first kRing blocks fly before the wait. The load cursor: lp (bytes) and lg, its
@@ -712,7 +699,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       part[warp][s][g] = acc0;
       part[warp][s][g + 8] = acc1;
     }
-    if (ct - ft - (cg == 0) >= kKmax && lane == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 5);
+    if (ct - ft - (cg == 0) >= kKmax && lane == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, kErrPlan);
   }
   // [/pd-gemv-loop]
   if (kPrefetchNextQkv && NQ_PD_QKV_PREFETCH == 3) prefetch_next_qkv(c);
@@ -1279,7 +1266,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   // Launched with too little shared memory, or with another grid than the one the plan and
   // the per-CTA buffers (argmax parts, timeline) were sized for (tab[T_GRID]): refuse, loudly.
   if (dyn < (unsigned)kSmemBytes || (long long)gridDim.x != tab[T_GRID]) {
-    if (threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, 4);
+    if (threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, kErrLaunch);
     return;
   }
   const int kDone = 2 + 5 * num_layers;
@@ -1294,12 +1281,12 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
         const int page = p / NQ_PAGE_TOKENS;
         int* bt = ptr<int>(tab, T_BLOCK_TABLE);
         if (page >= (int)tab[T_MAX_PAGES]) {
-          s[S_ERROR * NQ_SCALAR_STRIDE] = 1;
+          s[S_ERROR * NQ_SCALAR_STRIDE] = kErrMaxPages;
         } else {
           bool ok = true;
           if (new_page) {
             const int top = s[S_FREE_TOP * NQ_SCALAR_STRIDE] - 1;
-            if (top < 0) { s[S_ERROR * NQ_SCALAR_STRIDE] = 2; ok = false; }
+            if (top < 0) { s[S_ERROR * NQ_SCALAR_STRIDE] = kErrNoPage; ok = false; }
             else { bt[page] = ptr<const int>(tab, T_FREE_PAGES)[top]; s[S_FREE_TOP * NQ_SCALAR_STRIDE] = top; }
           }
           if (ok) {

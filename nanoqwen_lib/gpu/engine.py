@@ -21,6 +21,7 @@ import numpy as np
 
 from nanoqwen_lib.config import ModelDims, cuda_defines, load
 from nanoqwen_lib.errors import LimitError
+from nanoqwen_lib.gpu import decode_contract
 from nanoqwen_lib.gpu.arena import ArenaPlan, DeviceArena
 from nanoqwen_lib.gpu.layer import (ATTENTION, BOOKKEEPING, DOWN, EMBED, GATE_UP, LM_HEAD, NORM_IN, NORM_MLP,
                                     NORM_OUT, O_PROJ, QKV, ROPE)
@@ -32,8 +33,9 @@ PREFILL_CHUNK = load().engine.prefill_chunk_tokens
 PREFILL_MODES = ("tensor-core", "token-by-token")
 PREFILL_GEMMS = ("wgmma", "mma", "rs")   # rs: INT4 only, the RS form (kernels/prefill_rs.cu) (gpu.projection.Int4RsProjections)
 DECODE_MODES = ("persistent", "graph")
-# Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu).
-SCALARS = ("token", "position", "context_len", "slot", "free_top", "error")
+# Device-resident scalars of the decode step, one int32 per 128-byte line (kernels/engine_step.cu;
+# the slots are gpu.decode_contract's, the kernels' S_* in kernels/decode_contract.cuh).
+SCALARS = decode_contract.SCALARS
 SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
 PERSISTENT_STEP = "persistent step"     # the one region of the persistent decode step
 

@@ -4,9 +4,10 @@ per SM, walking the layer's instructions with dependency counters in device memo
 The engine (gpu.engine, decode="persistent") owns the arena; this module adds what the
 kernel needs besides it: the layout-3 copies of the four INT4 projections
 (format/stream_layout.py; the prefill keeps reading layout 1), the counters and
-workspaces, the pointer table, and the launch. Nothing here runs without a GPU except the
-pure functions (table order, shared-memory size), which the CPU tests check against the
-kernel source.
+workspaces, the pointer table, and the launch. The table's order, the flags and the error
+codes are gpu.decode_contract's (the kernel includes the header generated from it). Nothing
+here runs without a GPU except the pure functions (plan, shared-memory size), which the CPU
+tests check against the kernel source.
 """
 from __future__ import annotations
 
@@ -16,24 +17,20 @@ from nanoqwen_lib.config import ModelDims, load
 from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.format.layout import decode_gemv_shapes
 from nanoqwen_lib.format.stream_layout import BLOCK_BYTES, stream_bytes
+from nanoqwen_lib.gpu import decode_contract
 
 KERNEL = "decode_persistent"
 TUNING = load().tuning[KERNEL].defines
-# The pointer table's order (decode_persistent.cu enum Tab and enum LayerTab, same names).
-TAB_GLOBALS = ("EMBED", "NORM", "LM_HEAD", "LOGITS", "SCALARS", "BLOCK_TABLE", "FREE_PAGES", "GENERATED",
-               "X", "QKV", "ATTN", "GATE_UP", "SYNC", "WS", "TILE_CNT", "ATTN_WS", "ATTN_CNT",
-               "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES", "PROBE", "GRID",
-               "WS_DOWN", "QKV_TAG")
-TAB_LAYER = ("QKV", "O", "GATE_UP", "DOWN", "LN1", "LN2", "QKV_BIAS", "K", "V")
-LAYER_BASE, LAYER_STRIDE = 32, 16
+# The pointer table's order, layer rows, launch flags and error codes: the contract module
+# (gpu.decode_contract), which kernels/decode_contract.cuh is generated from.
+TAB_GLOBALS, TAB_LAYER = decode_contract.TAB_GLOBALS, decode_contract.TAB_LAYER
+LAYER_BASE, LAYER_STRIDE = decode_contract.LAYER_BASE, decode_contract.LAYER_STRIDE
 MATRICES = ("qkv", "o_proj", "gate_up", "down")       # TAB_LAYER's first four, in order
 # The file's projections each engine matrix stacks, in row order (gpu.engine.weight_sources).
 STACKED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
            "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-F_BEGIN, F_HEAD = 1, 2
-ERRORS = {3: "a dependency wait timed out (NQ_PD_TIMEOUT_MS)",
-          4: "launched with too little shared memory or another grid than its buffers were sized for",
-          5: "the plan broke a kernel limit (NQ_PD_KMAX tiles a warp, a row a thread)"}
+F_BEGIN, F_HEAD = decode_contract.FLAGS["BEGIN"], decode_contract.FLAGS["HEAD"]
+ERRORS = decode_contract.ERRORS       # scalars[error] code -> message (the kernel's own: 3, 4, 5)
 
 
 def persistent_plan(dims: ModelDims, sms: int | None = None, hw=None) -> dict[str, int]:

@@ -37,12 +37,14 @@ FIELD = "provenance"
 _K_COMMON = ["kernels/common.cuh", "kernels/hopper.cuh", "kernels/argmax.cuh", "kernels/rowops.cuh"]
 _PLAN = ["nanoqwen_lib/config.py", "nanoqwen_lib/nanoqwen.yaml",          # kernels' defines, protocol
          "nanoqwen_lib/gpu/hardware.py"]                                    # what the planners plan for
-_GRAPH_STEP = ["kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/decode_ops.cu",
+_GRAPH_STEP = ["kernels/decode_contract.cuh", "nanoqwen_lib/gpu/decode_contract.py",   # the step's host-device contract
+               "kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/decode_ops.cu",
                "kernels/paged_attention.cu", "kernels/rope_append.cu", "kernels/lm_head.cu",
                "kernels/engine_step.cu", "nanoqwen_lib/gpu/engine.py", "nanoqwen_lib/gpu/layer.py",
                "nanoqwen_lib/gpu/ops_decode.py", "nanoqwen_lib/gpu/ops_gemv.py",
                "nanoqwen_lib/gpu/ops_attention.py", "nanoqwen_lib/gpu/projection.py"]
-PERSISTENT = ["kernels/decode_persistent.cu", "kernels/stream3.cuh", "nanoqwen_lib/gpu/persistent.py"]
+PERSISTENT = ["kernels/decode_persistent.cu", "kernels/stream3.cuh", "kernels/decode_contract.cuh",
+              "nanoqwen_lib/gpu/decode_contract.py", "nanoqwen_lib/gpu/persistent.py"]
 # ops_prefill's front door and the launchers of its three kernel files (one module each)
 _OPS_PREFILL = ["nanoqwen_lib/gpu/ops_prefill.py", "nanoqwen_lib/gpu/ops_prefill_mma.py",
                 "nanoqwen_lib/gpu/ops_prefill_wgmma.py", "nanoqwen_lib/gpu/ops_prefill_attention.py"]
@@ -55,7 +57,7 @@ PEERS = ["nanoqwen_lib/measure/peers.py", "nanoqwen_lib/measure/peers_torch.py",
 
 # `nanoqwen bench --json`, by what it ran
 BENCH_INT4 = _K_COMMON + _PLAN + _GRAPH_STEP + _PREFILL_INT4 + _BENCH            # kernel-per-op graph decode
-BENCH_PERSISTENT = BENCH_INT4 + PERSISTENT + ["nanoqwen_lib/measure/timeline.py"]
+BENCH_PERSISTENT = BENCH_INT4 + [p for p in PERSISTENT + ["nanoqwen_lib/measure/timeline.py"] if p not in BENCH_INT4]
 BENCH_FP8 = _K_COMMON + _PLAN + _GRAPH_STEP + _FP8 + ["kernels/prefill_attention.cu"] + _OPS_PREFILL + _BENCH
 MEASURES = {   # book/data/<name> -> what it measures
     "persistent.json": BENCH_PERSISTENT,
