@@ -20,7 +20,7 @@ warps on scheduler 0), the conversion's share of the needed slots, and the grid'
 The counts are static (one pass through each loop body, the mbarrier waits succeeding at once:
 their retry blocks sit after the epilogue and are not counted), so they are issue slots, not
 cycles: stalls, the wgmma wait of each group and the scoreboard are not in them. Of
-cuda_build.sass_loops' backward-branch spans, a span holding an EXIT is a retry block's jump back
+cuda_build.sass_loop_spans' backward-branch spans, a span holding an EXIT is a retry block's jump back
 (not an iteration); of the rest, the consumer loop is the one with the HGMMAs, the producer's the
 one with the UTMALDG, each required unique and straight-line.
 """
@@ -79,43 +79,20 @@ def kernel_k_tile() -> int:
     return int(re.search(r"constexpr int BK = (\d+);", cuda_build.kernel_source(KERNEL)).group(1))
 
 
-def _code(text: str, entry: str) -> tuple[list[str], dict[str, int]]:
-    """The entry's instructions in `sass` text, whole (operands kept, predicates dropped), in
-    program order, and its labels' positions: what cuda_build.sass_loops reads, without cutting
-    each instruction to its opcode."""
-    start = text.index(f".text.{entry}:")
-    end = text.find("//----", start)
-    lines, labels = [], {}
-    for line in text[start:end if end > 0 else None].splitlines():
-        if m := re.match(r"\s*(\.L_x_\d+):", line):
-            labels[m.group(1)] = len(lines)
-        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
-            lines.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
-    return lines, labels
+def _straight(lines: list[str], labels: dict[str, int], first: int, last: int) -> bool:
+    """Whether the loop lines[first..last] is straight-line: no branch before its last lands
+    inside it. A branch out and back (to a retry block) is straight-line, and so is BRA.U.ANY:
+    the elect loop around a uniform TMA / bulk copy, one pass for the producer's one active thread."""
+    targets = [labels.get(m.group(1), -1) for ln in lines[first:last]
+               if not ln.startswith("BRA.U.ANY") and (m := re.search(r"BRA\S*\s.*?(\.L_x_\d+)", ln))]
+    return not any(first < t < last + 1 for t in targets)
 
 
-def _loop_lines(text: str, entry: str, ops: list[str]) -> tuple[list[str], bool]:
-    """The whole instructions of a loop of sass_loops (its opcodes `ops`: the first span of the
-    entry's instructions with those opcodes), and whether its body is straight-line: no branch
-    before its last lands inside it. A branch out and back (to a retry block) is straight-line, and
-    so is BRA.U.ANY: the elect loop around a uniform TMA / bulk copy, one pass for the producer's
-    one active thread."""
-    lines, labels = _code(text, entry)
-    names = [ln.split()[0] for ln in lines]
-    for i in range(len(names) - len(ops) + 1):
-        if names[i:i + len(ops)] == ops:
-            body = lines[i:i + len(ops)]
-            targets = [labels.get(m.group(1), -1) for ln in body[:-1]
-                       if not ln.startswith("BRA.U.ANY") and (m := re.search(r"BRA\S*\s.*?(\.L_x_\d+)", ln))]
-            return body, not any(i < t < i + len(ops) for t in targets)
-    raise RuntimeError(f"{entry}: a loop of sass_loops not found in its instructions")
-
-
-def _one(loops: list[list[str]], what: str, has) -> list[str]:
-    found = [loop for loop in loops if any(has(op) for op in loop)]
+def _one(lines: list[str], spans: list[tuple[int, int]], what: str, has) -> tuple[int, int]:
+    found = [(a, b) for a, b in spans if any(has(ln) for ln in lines[a:b + 1])]
     if len(found) != 1:
         raise RuntimeError(f"{ENTRY}: expected one {what} loop, found {len(found)} "
-                           f"(lengths {[len(loop) for loop in found]}); the SASS's shape changed")
+                           f"(lengths {[b - a + 1 for a, b in found]}); the SASS's shape changed")
     return found[0]
 
 
@@ -125,13 +102,16 @@ def _profile(build_items: tuple) -> dict:
     _, log = cuda_build.compile_cubin(KERNEL, None, build)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     text = cuda_build.sass(KERNEL, None, build)
+    code, labels = cuda_build.sass_code(text, ENTRY)
     # A backward branch whose span holds an EXIT is a retry block's jump back into a loop over the
     # code between (the mbarrier waits' retry blocks sit after the epilogue), not an iteration.
-    loops = [loop for loop in cuda_build.sass_loops(text, ENTRY) if "EXIT" not in loop]
-    cons = _one(loops, "consumer (HGMMA)", lambda op: op.startswith("HGMMA"))
-    prod = _one(loops, "producer (UTMALDG)", lambda op: op.startswith("UTMALDG"))
-    lines, straight = _loop_lines(text, ENTRY, cons)
-    _, prod_straight = _loop_lines(text, ENTRY, prod)
+    spans = [(a, b) for a, b in cuda_build.sass_loop_spans(code, labels)
+             if not any(ln.startswith("EXIT") for ln in code[a:b + 1])]
+    ca, cb = _one(code, spans, "consumer (HGMMA)", lambda ln: ln.startswith("HGMMA"))
+    pa, pb = _one(code, spans, "producer (UTMALDG)", lambda ln: ln.startswith("UTMALDG"))
+    lines = code[ca:cb + 1]
+    cons, prod = [ln.split()[0] for ln in lines], [ln.split()[0] for ln in code[pa:pb + 1]]
+    straight, prod_straight = _straight(code, labels, ca, cb), _straight(code, labels, pa, pb)
     hgmma = [ln for ln in lines if ln.startswith("HGMMA")]
     shapes = {tuple(int(x) for x in m.groups()) for m in map(RS_HGMMA.match, hgmma) if m}
     if len(shapes) != 1 or sum(map(bool, map(RS_HGMMA.match, hgmma))) != len(hgmma):

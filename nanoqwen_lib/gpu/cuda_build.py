@@ -256,9 +256,9 @@ def sass(name: str, dims: ModelDims | None = None, extra_defines: dict | None = 
         return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def sass_loops(sass_text: str, kernel: str) -> list[list[str]]:
-    """The loops of one kernel in `sass` text (a backward branch to a label), each as its
-    list of opcodes with their modifiers (predicates dropped), in program order."""
+def sass_code(sass_text: str, kernel: str) -> tuple[list[str], dict[str, int]]:
+    """One kernel's instructions in `sass` text, whole (operands kept, predicates dropped), in
+    program order, and each label's position among them."""
     import re
     start = sass_text.index(f".text.{kernel}:")
     end = sass_text.find("//----", start)
@@ -268,12 +268,26 @@ def sass_loops(sass_text: str, kernel: str) -> list[list[str]]:
             labels[m.group(1)] = len(instrs)
         elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
             instrs.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
+    return instrs, labels
+
+
+def sass_loop_spans(instrs: list[str], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """The loops of `sass_code`'s instructions: (first, last) index of each span that ends in a
+    backward branch to a label, in program order."""
+    import re
     out = []
     for i, ins in enumerate(instrs):
         m = re.search(r"BRA\s.*?(\.L_x_\d+)", ins)
         if m and labels.get(m.group(1), i + 1) <= i:
-            out.append([x.split()[0] for x in instrs[labels[m.group(1)]:i + 1]])
+            out.append((labels[m.group(1)], i))
     return out
+
+
+def sass_loops(sass_text: str, kernel: str) -> list[list[str]]:
+    """The loops of one kernel in `sass` text (a backward branch to a label), each as its
+    list of opcodes with their modifiers (predicates dropped), in program order."""
+    instrs, labels = sass_code(sass_text, kernel)
+    return [[x.split()[0] for x in instrs[a:b + 1]] for a, b in sass_loop_spans(instrs, labels)]
 
 
 # What a hot loop spends its issue slots on, in classes that every toolkit's SASS has (the

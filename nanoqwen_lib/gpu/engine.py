@@ -387,11 +387,11 @@ class GpuBackend:
         self.stream.synchronize()
         err = int(self.scalar["error"].get()[0])
         if err:
-            from nanoqwen_lib.gpu.persistent import ERRORS
-            if err in ERRORS:
+            what = decode_contract.ERROR_CODES.get(err, (None, "a code the contract does not know"))[1]
+            if err in decode_contract.ERRORS:          # the persistent kernel's own (3, 4, 5)
                 raise LimitError("kernels/decode_persistent.cu", "persistent step", "no device error",
-                                 f"error {err}: {ERRORS[err]}")
-            raise LimitError("<generate>", "KV pages", "a free page for every position", f"device error {err}")
+                                 f"error {err}: {what}")
+            raise LimitError("<generate>", "KV pages", "a free page for every position", f"device error {err}: {what}")
         return int(self.arena["s.generated"][position].get())
 
     # ------------------------------------------------------------------ prefill

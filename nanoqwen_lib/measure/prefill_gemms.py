@@ -62,16 +62,16 @@ def rates(dims: ModelDims, tokens: int, kernels=KERNELS, warmup: int = 3, iters:
                 launches[kern] = lambda kern=kern: ops_prefill.gemm_int4(x, words, scales, out, bias=bias,
                                                                          residual=res, kernel=kern)
         if "rs" in kernels:
+            build = prefill_rs.plan_rs(tokens, n, sms)          # planned once, outside the timed launch
             if matrix == "gate_up":
                 w_rs, s_rs = prefill_rs.swiglu_rows(words, scales)
                 w_rs, s_rs = prefill_rs.rs_order(w_rs), prefill_rs.rs_scales(s_rs)
                 act_rs = cp.empty((tokens, n // 2), cp.float16)
-                launches["rs"] = lambda: prefill_rs.gemm_int4_rs_swiglu(x, w_rs, s_rs, act_rs,
-                                                                       **prefill_rs.plan_rs(tokens, n, sms))
+                launches["rs"] = lambda: prefill_rs.gemm_int4_rs_swiglu(x, w_rs, s_rs, act_rs, **build)
             else:
                 w_rs, s_rs = prefill_rs.rs_order(words), prefill_rs.rs_scales(scales)
                 launches["rs"] = lambda: prefill_rs.gemm_int4_rs(x, w_rs, scales, out, bias=bias, residual=res,
-                                                                scales_rs=s_rs, **prefill_rs.plan_rs(tokens, n, sms))
+                                                                scales_rs=s_rs, **build)
         w16 = cp.asarray(rng.standard_normal((k, n), dtype=np.float32).astype(np.float16))   # dense W^T
         launches["cublas fp16"] = lambda: cp.matmul(x, w16, out=out)
         codes = cp.asarray(rng.integers(0, 256, size=(n, k), dtype=np.uint8) & 0xF7)   # finite E4M3 codes
