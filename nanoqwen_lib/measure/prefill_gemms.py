@@ -14,7 +14,8 @@ kernels and on cuBLAS, in one process (needs a GPU).
                    included: it is its own launch, timed by the breakdown)
 
 Timing: timing.time_cuda (warm-up, then CUDA events around each of `iters` eager launches,
-median). Inputs are random; the weights are random codes and scales, since speed does not
+median; graph=True: around replays of a CUDA graph of `inner` launches, the GPU's own time
+without the host's launch cost). Inputs are random; the weights are random codes and scales, since speed does not
 depend on their values.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _random_operands(rng, t: int, n: int, k: int):
 
 
 def rates(dims: ModelDims, tokens: int, kernels=KERNELS, warmup: int = 3, iters: int = 20, seed: int = 0,
-          progress=None) -> list[dict]:
+          progress=None, graph: bool = False, inner: int = 10) -> list[dict]:
     import cupy as cp
 
     from nanoqwen_lib.gpu import ops_fp8, ops_prefill, ops_prefill_rs as prefill_rs
@@ -82,7 +83,8 @@ def rates(dims: ModelDims, tokens: int, kernels=KERNELS, warmup: int = 3, iters:
             launches[f"fp8 {kern}"] = lambda kern=kern: ops_fp8.gemm_fp8(xq, ts, codes, s8, out, bias=bias,
                                                                          residual=res, kernel=kern)
         for kern in kernels:
-            ms = time_cuda(launches[kern], warmup=warmup, iters=iters)["median"]
+            ms = time_cuda(launches[kern], warmup=warmup, iters=iters, graph=graph,
+                           inner=inner if graph else 1)["median"]
             rows.append({"matrix": matrix, "n": n, "k": k, "kernel": kern, "ms": ms,
                          "tflops": flops / (ms * 1e-3) / 1e12})
         del w16, codes, x, words, scales, out
