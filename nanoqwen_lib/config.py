@@ -145,6 +145,7 @@ class EngineSpec:
     prefill_gemm: dict           # weight encoding -> the prefill projections' GEMM: "wgmma" (sm_90a) or "mma"
     decode: dict                 # weight encoding -> the decode step: "persistent" (one kernel) or "graph"
     persistent: dict             # the persistent step's planning figures (persistent_plan)
+    prefill_graphs: int          # prompt-chunk shapes whose prefill is kept as a CUDA graph (0: always eager)
 
 
 @dataclass(frozen=True)

@@ -126,3 +126,26 @@ def test_prefill_breakdown_table_formats():
     text = format_prefill_breakdown(b)
     row = next(line for line in text.splitlines() if line.startswith("gate_up_gemm"))
     assert "cuBLAS ms" in text and row.split()[-2:] == ["0.800", "2.50x"], row
+
+
+def test_prefill_graphs_capture_on_the_second_sight_and_keep_the_most_recent():
+    """PrefillGraphs (CPU: the bookkeeping; tests/test_gpu_engine.py replays real graphs): a
+    shape is captured the second time it is seen, at most `kept` graphs stay (least recently
+    used out), 0 keeps none, and a bad count is refused before the engine touches the GPU."""
+    from nanoqwen_lib.errors import LimitError
+    from nanoqwen_lib.gpu.engine import PrefillGraphs
+    g = PrefillGraphs(2)
+    assert not g.seen_again((0, 512)) and g.seen_again((0, 512))
+    g.keep((0, 512), "g512")
+    assert g.get((0, 512)) == "g512" and g.get((0, 17)) is None
+    for key in ((0, 17), (0, 33)):
+        assert not g.seen_again(key) and g.seen_again(key)
+        g.keep(key, f"g{key[1]}")
+    assert len(g) == 2 and g.get((0, 512)) is None and g.get((0, 17)) == "g17"
+    g.keep((512, 88), "g88")                       # (0, 17) was used last: (0, 33) goes
+    assert g.get((0, 33)) is None and g.get((0, 17)) == "g17" and len(g) == 2
+    none = PrefillGraphs(0)
+    assert not none.seen_again((0, 5)) and not none.seen_again((0, 5))
+    for bad in (-1, 1.5, "4"):
+        with pytest.raises(LimitError, match="prefill_graphs"):
+            PrefillGraphs(bad)

@@ -73,6 +73,27 @@ def probe(nq_file, gemm: str | None, tokens: int, reps: int = 5) -> dict:
         out["graph_equal"] = bool((eng.arena["p.x"][:tokens] == ref).all())
     except Exception as e:                      # noqa: BLE001 - what stops a capture is the finding
         out["graph_error"] = f"{type(e).__name__}: {e}"
+    # The engine's own path (prefill_enqueue: reset, prompt copy, chunks, head), eager and with
+    # PrefillGraphs (two untimed runs: eager, then eager + capture)
+    from nanoqwen_lib.gpu.engine import PrefillGraphs
+
+    def timed():
+        s.synchronize()
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        eng.prefill_enqueue(prompt)
+        b.record(s)
+        b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b), eng.token_at(tokens - 1)
+
+    eng.prefill_graphs = PrefillGraphs(0)
+    runs = [timed() for _ in range(reps)]
+    out["enqueue_eager_ms"], tok = float(np.median([r[0] for r in runs])), runs[0][1]
+    eng.prefill_graphs = PrefillGraphs(4)
+    timed(), timed()
+    runs = [timed() for _ in range(reps)]
+    out["enqueue_graphs_ms"] = float(np.median([r[0] for r in runs]))
+    out["graphs_same_token"] = all(r[1] == tok for r in runs) and len(eng.prefill_graphs) == 1
     del eng
     cp.get_default_memory_pool().free_all_blocks()
     return out
@@ -108,10 +129,12 @@ def main(argv=None) -> int:
         print(f"{'matrix':<9}{'kernel':>13}{'eager us':>10}{'graph us':>10}")
         for e, g in zip(result["rates_eager"], result["rates_graph"]):
             print(f"{e['matrix']:<9}{e['kernel']:>13}{e['ms'] * 1e3:>10.1f}{g['ms'] * 1e3:>10.1f}")
-    print(f"{'prefill':<10}{'launches':>9}{'host ms':>9}{'eager ms':>9}{'graph ms':>9}  equal")
+    print(f"{'prefill':<10}{'launches':>9}{'host ms':>9}{'eager ms':>9}{'graph ms':>9}  equal"
+          f"{'engine eager':>14}{'engine graphs':>14}  same token")
     for r in rows:
         print(f"{r['gemm'] + ('/fp8' if r.get('file') else ''):<10}{r['launches']:>9}{r['host_enqueue_ms']:>9.2f}"
-              f"{r['eager_ms']:>9.2f}{r.get('graph_ms', float('nan')):>9.2f}  {r.get('graph_equal', r.get('graph_error'))}")
+              f"{r['eager_ms']:>9.2f}{r.get('graph_ms', float('nan')):>9.2f}  {r.get('graph_equal', r.get('graph_error'))}"
+              f"{r['enqueue_eager_ms']:>14.2f}{r['enqueue_graphs_ms']:>14.2f}  {r['graphs_same_token']}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0

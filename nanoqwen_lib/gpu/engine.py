@@ -130,6 +130,49 @@ def weight_sources(dims: ModelDims) -> list[tuple[str, str, int]]:
     return out
 
 
+class PrefillGraphs:
+    """The prefill's CUDA graphs, one per chunk shape (start, tokens), at most `kept` of them
+    (least recently used out; 0: none, every chunk eager). A shape is captured the second time
+    it is seen (seen_again), after that run's eager launches, so a one-off prompt never pays a
+    capture and a repeated one replays from its third time on."""
+
+    def __init__(self, kept: int):
+        if not isinstance(kept, int) or kept < 0:
+            raise LimitError("<engine>", "prefill_graphs", "an int >= 0 (chunk shapes kept as graphs)", repr(kept))
+        self.kept = kept
+        self._graphs: dict = {}          # key -> graph, oldest use first
+        self._seen: dict = {}            # keys seen once (bounded like the graphs)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def get(self, key):
+        graph = self._graphs.pop(key, None)
+        if graph is not None:
+            self._graphs[key] = graph    # now the most recent
+        return graph
+
+    def seen_again(self, key) -> bool:
+        """True when `key` was seen before (capture it now); records it otherwise."""
+        if not self.kept:
+            return False
+        if self._seen.pop(key, None) is not None:
+            return True
+        self._seen[key] = True
+        while len(self._seen) > 4 * self.kept:
+            self._seen.pop(next(iter(self._seen)))
+        return False
+
+    def keep(self, key, graph) -> None:
+        self._graphs[key] = graph
+        while len(self._graphs) > self.kept:
+            self._graphs.pop(next(iter(self._graphs)))
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+
+
 class GpuBackend:
     """Greedy decode on the GPU; the backend protocol of generate.py. The file's weight
     encoding (INT4 or FP8) picks the projections' kernels (gpu.projection); the rest of the
@@ -151,9 +194,10 @@ class GpuBackend:
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
                  prefill: str = "tensor-core", prefill_gemm: str | None = None, decode: str | None = None,
-                 timeline: bool = False):
+                 timeline: bool = False, prefill_graphs: int | None = None):
         if prefill not in PREFILL_MODES:               # refused before anything touches the GPU
             raise LimitError("<engine>", "prefill", f"one of {PREFILL_MODES}", repr(prefill))
+        self.prefill_graphs = PrefillGraphs(load().engine.prefill_graphs if prefill_graphs is None else prefill_graphs)
         asked = decode
         decode = decode or load().engine.decode[nq_file.encoding]
         if decode not in DECODE_MODES:
@@ -426,6 +470,30 @@ class GpuBackend:
             ]
         return out
 
+    def prefill_chunk(self, start: int, t: int) -> None:
+        """Enqueue one chunk's launches on the stream (inside `with self.stream`): replayed from
+        its CUDA graph when self.prefill_graphs holds one for (start, t); else eager, and
+        captured after the eager run when this shape was seen before (PrefillGraphs). The
+        launches read the prompt, block table and pages from device memory, so one graph
+        serves every prompt whose chunk has this shape."""
+        key = (start, t)
+        graph = self.prefill_graphs.get(key)
+        if graph is not None:
+            graph.launch(self.stream)
+            return
+        launches = [fn for _, fn in self.prefill_launches(start, t)]
+        for fn in launches:
+            fn()
+        if self.prefill_graphs.seen_again(key):
+            # Every module, tensor map and workspace exists now (the eager runs built them):
+            # the capture allocates nothing and records the same launches.
+            self.stream.begin_capture()
+            for fn in launches:
+                fn()
+            graph = self.stream.end_capture()
+            graph.upload(self.stream)
+            self.prefill_graphs.keep(key, graph)
+
     def prefill_enqueue(self, ids: list[int], physical_pages=None) -> None:
         """Enqueue the prefill of `ids` (no host sync, so TTFT can be timed with events). The
         first generated token ends in the device scalars and s.generated, as after a step."""
@@ -443,8 +511,7 @@ class GpuBackend:
                                          self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         with self.stream:
             for start in range(0, n, self.chunk):
-                for _, launch in self.prefill_launches(start, min(self.chunk, n - start)):
-                    launch()
+                self.prefill_chunk(start, min(self.chunk, n - start))
             for _, launch in self.head_launches(self.arena["p.x"][(n - 1) % self.chunk]):   # the last row
                 launch()
             self.end_step()                             # generated[n - 1] = token; position = n
