@@ -7,8 +7,8 @@ captured once into a CUDA graph and replayed, and the host's own time to enqueue
 Per prefill GEMM (INT4 file; --fp8: also the FP8 file on its default): host ms to enqueue the
 launches (perf_counter, no sync), eager GPU ms (CUDA events around the enqueue), graph replay
 ms (events, median of 10), and whether the graph's p.x is bitwise the eager one. Then each
-projection's GEMM timed eagerly and in a graph of 10 launches (prefill_gemms.rates), so a
-per-GEMM time that is the host's shows as the gap between the two.
+projection's GEMM timed eagerly and in a graph of 10 launches (--rates; prefill_gemms.rates; cuBLAS
+eager only, it refuses capture), so a per-GEMM time that is the host's shows as the gap.
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gemms", nargs="+", default=["rs", "wgmma"])
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--no-rates", action="store_true")
+    ap.add_argument("--rates", action="store_true", help="also each GEMM eager and in a graph of 10 launches")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from nanoqwen_lib.config import load
@@ -121,14 +121,16 @@ def main(argv=None) -> int:
         rows.append(probe(f8, None, a.tokens) | {"file": "fp8"})
         print(json.dumps(rows[-1]), flush=True)
     result = {"prefill": rows}
-    if not a.no_rates:
+    if a.rates:
         kernels = ("rs", "wgmma", "cublas fp16", "fp8 wgmma")
         dims = load().model("7b")
         result["rates_eager"] = prefill_gemms.rates(dims, a.tokens, kernels=kernels)
-        result["rates_graph"] = prefill_gemms.rates(dims, a.tokens, kernels=kernels, graph=True)
+        result["rates_graph"] = prefill_gemms.rates(dims, a.tokens, kernels=kernels[:2] + kernels[3:], graph=True)
         print(f"{'matrix':<9}{'kernel':>13}{'eager us':>10}{'graph us':>10}")
-        for e, g in zip(result["rates_eager"], result["rates_graph"]):
-            print(f"{e['matrix']:<9}{e['kernel']:>13}{e['ms'] * 1e3:>10.1f}{g['ms'] * 1e3:>10.1f}")
+        graphed = {(g["matrix"], g["kernel"]): g["ms"] for g in result["rates_graph"]}   # cuBLAS: not capturable
+        for e in result["rates_eager"]:
+            g = graphed.get((e["matrix"], e["kernel"]), float("nan"))
+            print(f"{e['matrix']:<9}{e['kernel']:>13}{e['ms'] * 1e3:>10.1f}{g * 1e3:>10.1f}")
     print(f"{'prefill':<10}{'launches':>9}{'host ms':>9}{'eager ms':>9}{'graph ms':>9}  equal"
           f"{'engine eager':>14}{'engine graphs':>14}  same token")
     for r in rows:
