@@ -46,7 +46,8 @@ def recorded(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cp)
     timed = []
 
-    def time_cuda(launch, warmup, iters):
+    def time_cuda(launch, warmup, iters, graph=False, inner=1):
+        assert not graph and inner == 1, "rates() times eager launches unless asked for graphs"
         before = len(calls)
         launch()
         timed.append(calls[before:])
