@@ -315,7 +315,7 @@ def cmd_bench(a) -> int:
     r = benchmark_e2e(f, a.prompt_tokens, a.gen_tokens, a.warmup,
                       progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True),
                       prefill=a.prefill, breakdown=a.breakdown, prefill_gemm=a.prefill_gemm,
-                      decode=a.decode, baseline=not a.no_baseline)
+                      decode=a.decode, baseline=not a.no_baseline, prefill_graphs=a.prefill_graphs)
     if a.peers:
         from nanoqwen_lib.measure.peers import run_peers
         r["peers"] = run_peers(f, r, progress=lambda m: print(f"[peers] {m}", file=sys.stderr, flush=True),
@@ -428,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm: wgmma); "
                         "rs: wgmma's RS form, the weight converted in registers (INT4 only, opt-in); wgmma: the "
                         "producer form, dequantized into shared memory; mma: the earlier mma.sync kernels")
+    s.add_argument("--prefill-graphs", type=int, default=None, metavar="N",
+                   help="prompt-chunk shapes the engine keeps as CUDA graphs (default: nanoqwen.yaml "
+                        "engine.prefill_graphs; 0: every prefill eager, each launch from Python)")
     s.add_argument("--decode", choices=["persistent", "graph"], default=None,
                    help="the decode step (default: nanoqwen.yaml engine.decode): one persistent kernel a token, "
                         "or the kernel-per-op CUDA graph")

@@ -395,3 +395,21 @@ def test_progress_bar_names_the_final_directory_not_the_temporary_one(tmp_path, 
     err = capsys.readouterr().err
     assert f"synth {out.name}" in err, err
     assert ".partial" not in err and out.is_dir()
+
+
+def test_bench_passes_prefill_graphs_to_the_protocol(monkeypatch, capsys):
+    """`nanoqwen bench --prefill-graphs 0` reaches benchmark_e2e (and GpuBackend through it);
+    without the flag the engine's default (nanoqwen.yaml) applies (None). CPU: the GPU parts
+    are replaced."""
+    from nanoqwen_lib import cli
+    from nanoqwen_lib.measure import bench
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    seen = []
+    monkeypatch.setattr(cli, "require_gpu", lambda *a: None)
+    monkeypatch.setattr(bench, "benchmark_e2e", lambda f, *a, **kw: seen.append(kw) or {})
+    monkeypatch.setattr(bench, "format_report", lambda r: "report")
+    path = str(packed_synthetic("tiny"))
+    for argv, want in ((["bench", path, "--prefill-graphs", "0"], 0), (["bench", path], None)):
+        assert cli.main(argv) == 0
+        assert seen[-1]["prefill_graphs"] == want
+    assert capsys.readouterr().out.count("report") == 2

@@ -137,7 +137,7 @@ def test_prefill_graphs_capture_on_the_second_sight_and_keep_the_most_recent():
     g = PrefillGraphs(2)
     assert not g.seen_again((0, 512)) and g.seen_again((0, 512))
     g.keep((0, 512), "g512")
-    assert g.get((0, 512)) == "g512" and g.get((0, 17)) is None
+    assert g.get((0, 512)) == "g512" and g.get((0, 17)) is None and g.replays == 1
     for key in ((0, 17), (0, 33)):
         assert not g.seen_again(key) and g.seen_again(key)
         g.keep(key, f"g{key[1]}")

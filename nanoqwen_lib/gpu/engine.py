@@ -140,6 +140,7 @@ class PrefillGraphs:
         if not isinstance(kept, int) or kept < 0:
             raise LimitError("<engine>", "prefill_graphs", "an int >= 0 (chunk shapes kept as graphs)", repr(kept))
         self.kept = kept
+        self.replays = 0                 # chunks replayed from a graph so far (bench records it)
         self._graphs: dict = {}          # key -> graph, oldest use first
         self._seen: dict = {}            # keys seen once (bounded like the graphs)
 
@@ -150,6 +151,7 @@ class PrefillGraphs:
         graph = self._graphs.pop(key, None)
         if graph is not None:
             self._graphs[key] = graph    # now the most recent
+            self.replays += 1
         return graph
 
     def seen_again(self, key) -> bool:

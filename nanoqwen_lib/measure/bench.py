@@ -75,13 +75,16 @@ def timed_request(engine, prompt: list[int], gen_tokens: int) -> dict:
 
 def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, seed=0,
                   progress=print, prefill: str = "tensor-core", breakdown: bool = False,
-                  prefill_gemm: str | None = None, decode: str | None = None, baseline: bool = True) -> dict:
+                  prefill_gemm: str | None = None, decode: str | None = None, baseline: bool = True,
+                  prefill_graphs: int | None = None) -> dict:
     """The protocol; with breakdown=True also the ITL breakdown (breakdown.itl_breakdown) on
     the same engine after the timed run. decode: the engine's decode step (default per
     encoding, nanoqwen.yaml engine.decode). With the persistent step and baseline=True the
     kernel-per-op graph is timed too, on its own engine in the same run (`graph_itl_ms`), and
     with breakdown=True one token's timeline of the persistent kernel is summarized against
-    each instruction's byte floor (`timeline`)."""
+    each instruction's byte floor (`timeline`). prefill_graphs: GpuBackend's (None: nanoqwen.yaml
+    engine.prefill_graphs); with the warm-up runs the timed prefill replays its graphs, and the
+    protocol records how many shapes were kept and whether the timed prefill replayed one."""
     from nanoqwen_lib.measure.breakdown import itl_breakdown, prefill_breakdown
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.measure.timing import measure_read_ceiling
@@ -94,12 +97,14 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
     progress(f"loading {nq_file.path} onto the GPU")
     max_tokens = prompt_tokens + max(gen_tokens, 128) + 16
     engine = GpuBackend(nq_file, max_tokens=max_tokens, graphs=True, prefill=prefill, prefill_gemm=prefill_gemm,
-                        decode=decode)
+                        decode=decode, prefill_graphs=prefill_graphs)
     for i in range(warmup):
         progress(f"warm-up {i + 1}/{warmup}")
         timed_request(engine, prompt, gen_tokens)
     progress("timed run")
+    replays = engine.prefill_graphs.replays
     run = timed_request(engine, prompt, gen_tokens)
+    replayed = engine.prefill_graphs.replays > replays
     parts = pre = tl = graph_run = None
     persistent = engine.decode_mode == "persistent"
     if breakdown and engine.prefill_mode == "tensor-core" and prompt_tokens <= engine.chunk:
@@ -134,7 +139,8 @@ def benchmark_e2e(nq_file, prompt_tokens=None, gen_tokens=None, warmup=None, see
                      "warmup": warmup, "lock_clocks": proto.lock_clocks,
                      "decode": ("one persistent kernel per token (CUDA graph)" if persistent
                                 else "CUDA graphs (a kernel per op)"),
-                     "prefill": engine.prefill_kind, "weights": "synthetic (speed does not depend on values)"},
+                     "prefill": engine.prefill_kind, "weights": "synthetic (speed does not depend on values)",
+                     "prefill_graphs": {"kept": engine.prefill_graphs.kept, "timed_run_replayed": replayed}},
         "model": {"file": str(nq_file.path), "layers": dims.num_layers, "hidden": dims.hidden},
         "ttft_ms": run["ttft_ms"],
         "itl_ms": itl,
