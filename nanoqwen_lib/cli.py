@@ -425,9 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill", choices=["tensor-core", "token-by-token"], default="tensor-core",
                    help="prefill to time (default tensor-core; token-by-token is the simple baseline)")
     s.add_argument("--prefill-gemm", choices=["rs", "wgmma", "mma"], default=None,
-                   help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm: wgmma); "
-                        "rs: wgmma's RS form, the weight converted in registers (INT4 only, opt-in); wgmma: the "
-                        "producer form, dequantized into shared memory; mma: the earlier mma.sync kernels")
+                   help="the tensor-core prefill's GEMMs (default: nanoqwen.yaml engine.prefill_gemm: rs for "
+                        "INT4, wgmma for FP8); rs: wgmma's RS form, the weight converted in registers (INT4 "
+                        "only); wgmma: the producer form, dequantized into shared memory; mma: the earlier "
+                        "mma.sync kernels, for comparison")
     s.add_argument("--prefill-graphs", type=int, default=None, metavar="N",
                    help="prompt-chunk shapes the engine keeps as CUDA graphs (default: nanoqwen.yaml "
                         "engine.prefill_graphs; 0: every prefill eager, each launch from Python)")

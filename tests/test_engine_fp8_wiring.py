@@ -114,7 +114,7 @@ def test_prefill_projection_kernels_per_gemm(recorded, gemm, dims_name, t, start
 
 @pytest.mark.parametrize("dims_name,t,start", [("7b", 512, 0), ("7b", 37, 512), ("tiny", 1, 0), ("tiny-hd64", 100, 16)])
 def test_int4_prefill_on_the_rs_form(monkeypatch, recorded, dims_name, t, start):
-    """prefill_gemm="rs" (the RS form, opt-in): each projection region is one nq_prefill_rs
+    """prefill_gemm="rs" (the RS form, INT4's default): each projection region is one nq_prefill_rs
     launch (SwiGLU in gate_up's epilogue, so no nq_swiglu_act before down) reading the RS copies
     (the arena's `.rs` / `.rs_scales` slots), with plan_rs's build and its grid; every argument
     passes the launcher's checks."""
@@ -157,7 +157,8 @@ def test_rs_prefill_plans_its_copies():
     slots = plan_arena(dims, 256, "int4", prefill_gemm="rs").slots
     assert {"w.0.gate_up.rs", "w.0.gate_up.rs_scales", "w.0.down.rs"} <= set(slots)
     assert slots["w.0.gate_up.rs"][2] == (-(-dims.intermediate // 32), dims.hidden // 64, 4, 32, 4)
-    assert not any(k.endswith(".rs") for k in plan_arena(dims, 256, "int4").slots)
+    assert not any(k.endswith(".rs") for k in plan_arena(dims, 256, "int4", prefill_gemm="wgmma").slots)
+    assert "w.0.qkv.rs" in plan_arena(dims, 256, "int4").slots          # the RS form is INT4's default
 
 
 @pytest.mark.parametrize("bn,split", [(112, 1), (128, 1), (128, 3), (144, 2), (256, 1)])

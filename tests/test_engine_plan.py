@@ -28,7 +28,7 @@ def test_every_tensor_uploaded_once_into_matching_slots(name):
 
 def test_arena_aligned_and_weights_match_decode_bytes():
     """The weights in the arena are what a decode token reads plus the embedding table; with the
-    RS-form prefill (prefill_gemm="rs") plus one RS copy of each projection, exactly its shapes."""
+    RS-form prefill (INT4's default) plus one RS copy of each projection, exactly its shapes."""
     import numpy as np
     from nanoqwen_lib.gpu.projection import Int4RsProjections
     dims = load().model("7b")
@@ -39,7 +39,7 @@ def test_arena_aligned_and_weights_match_decode_bytes():
                                     for w, s in Int4RsProjections.rs_shapes(dims).values())
     # the copy holds every projection's words and scales again (rows padded to 64, none dropped)
     assert b["int4_weights"] + b["scales"] <= rs_copy < 1.01 * (b["int4_weights"] + b["scales"])
-    for gemm, want in (("wgmma", expect), ("mma", expect), ("rs", expect + rs_copy), (None, expect)):
+    for gemm, want in (("wgmma", expect), ("mma", expect), ("rs", expect + rs_copy), (None, expect + rs_copy)):
         plan = plan_arena(dims, 32768, prefill_gemm=gemm)
         assert all(off % 128 == 0 for off, _, _ in plan.slots.values())
         assert plan.bytes_of("w.") == want, gemm

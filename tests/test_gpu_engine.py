@@ -125,11 +125,11 @@ def ref_7b(file_7b):
     return ReferenceModel(file_7b.dims, file_7b.model_tensors(), xp=cp)
 
 
-@pytest.mark.parametrize("n,gemm", [(1, None), (17, None), (512, None), (600, None), (17, "rs"), (600, "rs")])
+@pytest.mark.parametrize("n,gemm", [(1, None), (17, None), (512, None), (600, None), (17, "wgmma"), (600, "wgmma")])
 def test_prefill_matches_reference_7b(file_7b, ref_7b, n, gemm):
     """One chunk (1, 17, 512 tokens) and two chunks (600 = 512 + 88: the second attends to
-    the first through the pages), on the default GEMMs (nanoqwen.yaml: wgmma's producer form)
-    and on the RS form (prefill_gemm="rs", opt-in)."""
+    the first through the pages), on the default GEMMs (nanoqwen.yaml: the RS form) and on the
+    producer-form wgmma kept beside them."""
     check_prefill(file_7b, ref_7b, n, seed=n, layers=(0, 27), max_tokens=1024, prefill_gemm=gemm)
 
 

@@ -111,7 +111,7 @@ def test_rs_reorder_on_the_gpu_is_the_hosts(rng, n, k):
     assert (cp.asnumpy(gw) == cw).all() and (cp.asnumpy(gs).view(np.uint16) == cs.view(np.uint16)).all()
 
 
-# ---- in the engine (prefill_gemm="rs", opt-in) -------------------------------------------------
+# ---- in the engine (prefill_gemm="rs", INT4's default) -------------------------------------------------
 @pytest.mark.parametrize("model", ["tiny", "tiny-hd64"])
 def test_engine_rs_prefill_matches_reference(model):
     """The engine's prefill on the RS form (RS copies made on the GPU at upload, SwiGLU in the

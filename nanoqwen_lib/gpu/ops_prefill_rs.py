@@ -1,6 +1,6 @@
 """The INT4 prefill GEMM in wgmma's RS form (kernels/prefill_rs.cu, sm_90a): the weight
 is wgmma's A operand from registers, converted there from packed INT4, X the B operand by TMA.
-The engine runs it with prefill_gemm="rs" (gpu.projection.Int4RsProjections, opt-in); PERFLOG
+The engine runs it with prefill_gemm="rs" (gpu.projection.Int4RsProjections, INT4's default); PERFLOG
 ("Issue 29 ...") says which builds ran and how fast.
 
     rs_order(words)                      ValueShuffle words [N, K/8] -> the kernel's order (uint32)

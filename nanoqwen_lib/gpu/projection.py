@@ -97,8 +97,8 @@ class Int4Projections(Projections):
 
 class Int4RsProjections(Int4Projections):
     """INT4 with the prefill on the RS-form GEMM (kernels/prefill_rs.cu: the weight is
-    wgmma's register A operand, converted by the consumers; issue 29), opt-in (prefill_gemm="rs")
-    until it is measured the faster. Decode as Int4Projections. Each projection gets a copy in the
+    wgmma's register A operand, converted by the consumers), INT4's default prefill
+    (engine.prefill_gemm). Decode as Int4Projections. Each projection gets a copy in the
     RS order (and gate_up in the SwiGLU row order, its epilogue forming act), made on the GPU from
     the layout-1 words at upload (add_slots, after_upload)."""
 

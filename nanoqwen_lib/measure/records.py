@@ -48,8 +48,10 @@ PERSISTENT = ["kernels/decode_persistent.cu", "kernels/stream3.cuh", "kernels/de
 # ops_prefill's front door and the launchers of its three kernel files (one module each)
 _OPS_PREFILL = ["nanoqwen_lib/gpu/ops_prefill.py", "nanoqwen_lib/gpu/ops_prefill_mma.py",
                 "nanoqwen_lib/gpu/ops_prefill_wgmma.py", "nanoqwen_lib/gpu/ops_prefill_attention.py"]
-_PREFILL_INT4 = ["kernels/prefill_wgmma.cu", "kernels/wgmma_ops.cuh", "kernels/prefill_gemm.cu",
-                 "kernels/prefill_attention.cu"] + _OPS_PREFILL + ["nanoqwen_lib/gpu/tensor_map.py"]
+# INT4's prefill: the RS form (the default), and the producer form and mma.sync beside it
+_PREFILL_INT4 = ["kernels/prefill_rs.cu", "kernels/wgmma_rs_ops.cuh", "kernels/prefill_wgmma.cu",
+                 "kernels/wgmma_ops.cuh", "kernels/prefill_gemm.cu", "kernels/prefill_attention.cu"] \
+    + _OPS_PREFILL + ["nanoqwen_lib/gpu/ops_prefill_rs.py", "nanoqwen_lib/gpu/tensor_map.py"]
 _FP8 = ["kernels/fp8.cu", "kernels/fp8.cuh", "nanoqwen_lib/gpu/ops_fp8.py"]
 _BENCH = ["nanoqwen_lib/measure/bench.py", "nanoqwen_lib/measure/breakdown.py", "nanoqwen_lib/measure/timing.py"]
 PEERS = ["nanoqwen_lib/measure/peers.py", "nanoqwen_lib/measure/peers_torch.py",
