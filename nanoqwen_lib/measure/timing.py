@@ -47,6 +47,8 @@ def time_cuda(fn, warmup: int = 10, iters: int = 30, inner: int = 1, graph: bool
 
     for _ in range(warmup):
         fn()                              # modules load and workspaces allocate here, not below
+    if graph:                             # the side stream does not wait for the warm-up's kernels:
+        cp.cuda.get_current_stream().synchronize()   # they must be done before a replay shares their buffers
     stream = cp.cuda.Stream(non_blocking=True) if graph else cp.cuda.get_current_stream()
     with stream:
         if graph:
