@@ -6,7 +6,8 @@ captured once into a CUDA graph and replayed, and the host's own time to enqueue
 
 Per prefill GEMM (INT4 file; --fp8: also the FP8 file on its default): host ms to enqueue the
 launches (perf_counter, no sync), eager GPU ms (CUDA events around the enqueue), graph replay
-ms (events, median of 10), and whether the graph's p.x is bitwise the eager one. Then each
+ms (timing.time_cuda: events, median of 10), and whether the graph's p.x is bitwise the eager
+one; then TTFT through the engine (bench.timed_request) without and with PrefillGraphs. Then each
 projection's GEMM timed eagerly and in a graph of 10 launches (--rates; prefill_gemms.rates; cuBLAS
 eager only, it refuses capture), so a per-GEMM time that is the host's shows as the gap.
 """
@@ -25,75 +26,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def probe(nq_file, gemm: str | None, tokens: int, reps: int = 5) -> dict:
     import cupy as cp
-    from nanoqwen_lib.gpu.engine import GpuBackend
-    eng = GpuBackend(nq_file, max_tokens=tokens + 64, graphs=True, prefill_gemm=gemm, decode="graph")
+    from nanoqwen_lib.gpu.engine import GpuBackend, PrefillGraphs
+    from nanoqwen_lib.measure.bench import timed_request
+    from nanoqwen_lib.measure.timing import time_cuda
+    eng = GpuBackend(nq_file, max_tokens=tokens + 64, graphs=True, prefill_gemm=gemm, decode="graph",
+                     prefill_graphs=0)
     prompt = np.random.default_rng(0).integers(0, 151643, tokens).tolist()
     s = eng.stream
-    for _ in range(2):
-        eng.prefill_enqueue(prompt)
+    for _ in range(2):                              # modules, tensor maps and workspaces built
+        timed_request(eng, prompt, 1)
+
+    def chunk():                                    # the chunk's launches, eager (prefill_graphs 0)
+        eng.prefill_chunk(0, tokens)
+
+    host = []
+    with s:
+        for _ in range(reps):
+            s.synchronize()
+            t0 = time.perf_counter()
+            chunk()
+            host.append((time.perf_counter() - t0) * 1e3)
         s.synchronize()
-    launches = [fn for _, fn in eng.prefill_launches(0, tokens)]
-
-    def eager():
-        with s:
-            for fn in launches:
-                fn()
-
-    host, gpu = [], []
-    for _ in range(reps):
-        s.synchronize()
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        t0 = time.perf_counter()
-        a.record(s)
-        eager()
-        b.record(s)
-        host.append((time.perf_counter() - t0) * 1e3)
-        b.synchronize()
-        gpu.append(cp.cuda.get_elapsed_time(a, b))
-    ref = eng.arena["p.x"][:tokens].copy()
-    out = {"gemm": gemm or "default", "kind": eng.prefill_kind, "launches": len(launches),
-           "host_enqueue_ms": float(np.median(host)), "eager_ms": float(np.median(gpu))}
-    try:
-        with s:
-            s.begin_capture()
-            for fn in launches:
-                fn()
-            g = s.end_capture()
-        g.upload(s)
-        eng.arena["p.x"][:tokens].fill(0)
-        ms = []
-        for _ in range(10):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            g.launch(s)
-            b.record(s)
-            b.synchronize()
-            ms.append(cp.cuda.get_elapsed_time(a, b))
-        out["graph_ms"] = float(np.median(ms))
-        out["graph_equal"] = bool((eng.arena["p.x"][:tokens] == ref).all())
-    except Exception as e:                      # noqa: BLE001 - what stops a capture is the finding
-        out["graph_error"] = f"{type(e).__name__}: {e}"
-    # The engine's own path (prefill_enqueue: reset, prompt copy, chunks, head), eager and with
-    # PrefillGraphs (two untimed runs: eager, then eager + capture)
-    from nanoqwen_lib.gpu.engine import PrefillGraphs
-
-    def timed():
-        s.synchronize()
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(s)
-        eng.prefill_enqueue(prompt)
-        b.record(s)
-        b.synchronize()
-        return cp.cuda.get_elapsed_time(a, b), eng.token_at(tokens - 1)
-
-    eng.prefill_graphs = PrefillGraphs(0)
-    runs = [timed() for _ in range(reps)]
-    out["enqueue_eager_ms"], tok = float(np.median([r[0] for r in runs])), runs[0][1]
+        out = {"gemm": gemm or "default", "kind": eng.prefill_kind, "launches": len(eng.prefill_launches(0, tokens)),
+               "host_enqueue_ms": float(np.median(host)),
+               "eager_ms": time_cuda(chunk, warmup=0, iters=reps)["median"]}
+        ref = eng.arena["p.x"][:tokens].copy()
+        eng.arena["p.x"][:tokens].fill(cp.float16(np.nan))   # the replays must write every row
+        try:
+            out["graph_ms"] = time_cuda(chunk, warmup=0, iters=10, graph=True)["median"]
+            out["graph_equal"] = bool((eng.arena["p.x"][:tokens] == ref).all())
+        except Exception as e:                      # noqa: BLE001 - what stops a capture is the finding
+            out["graph_error"] = f"{type(e).__name__}: {e}"
+    # The engine's own path (bench.timed_request: reset, prompt copy, chunks, head), eager and
+    # with PrefillGraphs (two untimed runs: eager, then eager + capture)
+    runs = [timed_request(eng, prompt, 1) for _ in range(reps)]
+    out["enqueue_eager_ms"], tok = float(np.median([r["ttft_ms"] for r in runs])), runs[0]["tokens"][0]
     eng.prefill_graphs = PrefillGraphs(4)
-    timed(), timed()
-    runs = [timed() for _ in range(reps)]
-    out["enqueue_graphs_ms"] = float(np.median([r[0] for r in runs]))
-    out["graphs_same_token"] = all(r[1] == tok for r in runs) and len(eng.prefill_graphs) == 1
+    timed_request(eng, prompt, 1), timed_request(eng, prompt, 1)
+    runs = [timed_request(eng, prompt, 1) for _ in range(reps)]
+    out["enqueue_graphs_ms"] = float(np.median([r["ttft_ms"] for r in runs]))
+    out["graphs_same_token"] = all(r["tokens"][0] == tok for r in runs) and eng.prefill_graphs.replays == reps
     del eng
     cp.get_default_memory_pool().free_all_blocks()
     return out

@@ -170,10 +170,6 @@ class PrefillGraphs:
         while len(self._graphs) > self.kept:
             self._graphs.pop(next(iter(self._graphs)))
 
-    def clear(self) -> None:
-        self._graphs.clear()
-        self._seen.clear()
-
 
 class GpuBackend:
     """Greedy decode on the GPU; the backend protocol of generate.py. The file's weight
