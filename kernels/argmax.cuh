@@ -25,11 +25,21 @@ __device__ __forceinline__ ArgBest warp_argmax(ArgBest b) {
   return b;
 }
 
-// Reached by all THREADS threads of every CTA. Each CTA's best goes to part_*[blockIdx.x];
+// The CTA barrier of THREADS threads: barrier 0 (__syncthreads, every thread of the CTA), or
+// named barrier BAR (bar.sync BAR, THREADS) when the CTA has warps that never reach it (the
+// persistent decode step's loader warp, [pd-loader]).
+template <int BAR, int THREADS>
+__device__ __forceinline__ void cta_barrier() {
+  if constexpr (BAR == 0) __syncthreads();
+  else asm volatile("bar.sync %0, %1;" :: "n"(BAR), "n"(THREADS) : "memory");
+}
+
+// Reached by all THREADS threads of every CTA (threads 0 .. THREADS - 1; BAR: cta_barrier).
+// Each CTA's best goes to part_*[blockIdx.x];
 // the last CTA to bump *counter merges them, writes *token_out and resets *counter to 0.
 // With one CTA the parts and the counter are not touched. Returns true (in every thread) in
 // the CTA that wrote *token_out (its thread 0 did).
-template <int THREADS>
+template <int THREADS, int BAR = 0>
 __device__ __forceinline__ bool argmax_finish(ArgBest b, float* part_val, int* part_idx,
                                               unsigned* counter, int* token_out) {
   __shared__ float sv[THREADS / 32];
@@ -38,7 +48,7 @@ __device__ __forceinline__ bool argmax_finish(ArgBest b, float* part_val, int* p
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   b = warp_argmax(b);
   if (lane == 0) { sv[warp] = b.v; si[warp] = b.i; }
-  __syncthreads();   // all threads: sv/si complete
+  cta_barrier<BAR, THREADS>();   // all threads: sv/si complete
   if (threadIdx.x == 0) {
     for (int w = 1; w < THREADS / 32; ++w) b.take(sv[w], si[w]);
     if (gridDim.x == 1) {
@@ -51,16 +61,16 @@ __device__ __forceinline__ bool argmax_finish(ArgBest b, float* part_val, int* p
     }
   }
   if (gridDim.x == 1) return true;
-  __syncthreads();   // all threads: is_last known
+  cta_barrier<BAR, THREADS>();   // all threads: is_last known
   if (!is_last) return false;
   __threadfence();
   ArgBest m{NQ_NEG_INF, 0x7fffffff};
   for (int p = threadIdx.x; p < (int)gridDim.x; p += THREADS)
     m.take(__ldcg(&part_val[p]), __ldcg(&part_idx[p]));
   m = warp_argmax(m);
-  __syncthreads();   // all threads: done reading sv/si above before they are reused
+  cta_barrier<BAR, THREADS>();   // all threads: done reading sv/si above before they are reused
   if (lane == 0) { sv[warp] = m.v; si[warp] = m.i; }
-  __syncthreads();   // all threads: sv/si complete
+  cta_barrier<BAR, THREADS>();   // all threads: sv/si complete
   if (threadIdx.x == 0) {
     for (int w = 1; w < THREADS / 32; ++w) m.take(sv[w], si[w]);
     *token_out = m.i;

@@ -118,6 +118,12 @@
 #ifndef NQ_PD_EARLY_BLOCKS
 #error "NQ_PD_EARLY_BLOCKS: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
+#ifndef NQ_PD_LOADER
+#error "NQ_PD_LOADER: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_LOADER_PAGE
+#error "NQ_PD_LOADER_PAGE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
 #ifndef NQ_PD_FOLD
 #error "NQ_PD_FOLD: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -151,6 +157,15 @@ constexpr bool kSmemRing = NQ_PD_SMEM_RING != 0;   // the ring in shared memory 
 constexpr int kHead = NQ_PD_HEAD_BLOCKS;            // [pd-head]: gate_up's and down's last blocks a warp, copied early
 static_assert(kHead >= 0 && kHead <= 32, "NQ_PD_HEAD_BLOCKS: 0..32 (a lane issues one block's copy)");
 static_assert(!(kHead > 0 && kSmemRing), "NQ_PD_HEAD_BLOCKS and NQ_PD_SMEM_RING: one shared-memory use of the blocks at a time");
+// [pd-loader] (NQ_PD_LOADER = R, lab; 0: off): one more warp a CTA, the loader, and a ring of
+// R pages of NQ_PD_LOADER_PAGE layout-3 blocks for each consumer warp (the kWarps that compute).
+constexpr int kLoaderSlots = NQ_PD_LOADER;
+constexpr bool kLoader = kLoaderSlots > 0;
+constexpr int kBlockThreads = kThreads + (kLoader ? 32 : 0);   // the launch's block
+static_assert(!kLoader || kRing >= 2, "[pd-loader]: the consumer takes a block ahead into a second register slot");
+static_assert(kLoaderSlots >= 0 && kLoaderSlots <= 32, "NQ_PD_LOADER: 0..32 ring pages a consumer warp");
+static_assert(!kLoader || (!kSmemRing && kHead == 0),
+              "NQ_PD_LOADER replaces the register ring's loads: not with NQ_PD_SMEM_RING or NQ_PD_HEAD_BLOCKS");
 constexpr bool kFold = NQ_PD_FOLD != 0;
 constexpr int kKmax = NQ_PD_KMAX;
 // A unit's rows: one thread each in the epilogue (config.persistent_plan keeps 16 x tiles <= threads).
@@ -229,7 +244,18 @@ constexpr int kRingBytes = kSmemRing ? kRing * kWarps * nqs3::kBlockBytes : 0;
 // staging never meets them), over what the attention and the lm_head use in their turns.
 constexpr int kHeadOffset = ceil_div(kXBytes, 128) * 128;
 constexpr int kHeadEnd = kHead > 0 ? kHeadOffset + kWarps * kHead * nqs3::kBlockBytes : 0;
-constexpr int kSmemBytes = max2(kStageBytes, kHeadEnd) + kRingBytes + NQ_PD_SMEM_PAD_KB * 1024;
+// [pd-loader]: the consumer warps' rings (warp w's page s at kLoaderOffset + (w R + s) P 1056),
+// past everything an instruction stages, so no instruction's own use of shared memory meets them.
+constexpr int kLoaderOffset = max2(kStageBytes, kHeadEnd) + kRingBytes;
+constexpr int kLoaderBytes = kWarps * kLoaderSlots * NQ_PD_LOADER_PAGE * nqs3::kBlockBytes;
+constexpr int kSmemBytes = kLoaderOffset + kLoaderBytes + NQ_PD_SMEM_PAD_KB * 1024;
+
+// The consumers' CTA barrier: every thread (__syncthreads), or with the loader, which never
+// takes part, named barrier 1 over the kThreads consumer threads.
+__device__ __forceinline__ void cta_sync() {
+  if constexpr (kLoader) asm volatile("bar.sync 1, %0;" :: "n"(kThreads) : "memory");
+  else __syncthreads();
+}
 
 __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
@@ -307,6 +333,10 @@ struct Ctx {
   unsigned long long t_begin, t_ready;
   uint64_t* head_bar;       // [pd-head]: one mbarrier a warp (shared memory)
   unsigned head_uses;       // ... and how many of its phases this warp has waited for
+  unsigned char* ld_ring;   // [pd-loader]: the rings, their slots' full and empty mbarriers,
+  uint64_t* ld_full;        // and how many blocks this warp has taken from its ring
+  uint64_t* ld_empty;
+  unsigned ld_n;
 };
 
 // ---- dependencies ----------------------------------------------------------------------
@@ -331,7 +361,7 @@ __device__ __forceinline__ void spin_until(const Ctx& c, const unsigned* p, unsi
 }
 __device__ __forceinline__ void wait_inputs(Ctx& c) {
   if (threadIdx.x == 0 && c.prev >= 0) spin_until(c, c.sync + c.prev, c.prev_target);
-  __syncthreads();   // all threads: the inputs of this instruction are complete
+  cta_sync();   // all threads: the inputs of this instruction are complete
   if (NQ_PD_TIMELINE && threadIdx.x == 0) c.t_ready = now_ns();
 }
 // All threads, after the CTA's last write of instruction `idx`: publish it (arrive = false:
@@ -339,7 +369,7 @@ __device__ __forceinline__ void wait_inputs(Ctx& c) {
 // next instruction waits for sync[idx] >= target.
 __device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind, unsigned target,
                                             bool arrive = true) {
-  __syncthreads();   // all threads: this CTA's writes of the instruction are issued
+  cta_sync();   // all threads: this CTA's writes of the instruction are issued
   if (threadIdx.x == 0) {
     if (arrive) release_add(c.sync + idx, 1u);         // ... and visible before the counter moves
 #if NQ_PD_TIMELINE
@@ -368,11 +398,11 @@ __device__ __forceinline__ void begin_instruction(Ctx& c) {
 __device__ __forceinline__ float block_sum(float v, float* red) {
   for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();   // all threads: red[] complete
+  cta_sync();   // all threads: red[] complete
   float s = 0.f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) s += red[w];
-  __syncthreads();   // all threads: red[] read before it is reused
+  cta_sync();   // all threads: red[] read before it is reused
   return s;
 }
 
@@ -495,15 +525,144 @@ __device__ __forceinline__ void prefetch_warp(const unsigned char* w, int from, 
 // gate_up's while attention runs (no weights of its own); the next layer's qkv share while
 // down runs.
 __device__ __forceinline__ void prefetch_during_attention(Ctx& c) {
-  if (!NQ_PD_ATTN_PREFETCH) return;                      // (a variant: attention's loads alone on the bus)
+  if (!NQ_PD_ATTN_PREFETCH || kLoader) return;          // (a variant: attention's loads alone on the bus;
+                                                         // [pd-loader]: the loader is already at it)
   prefetch_warp<kO.N, kO.K, kO.TG, kO.KS>(ptr<const unsigned char>(c.lt, L_O), 0, 32);
   if (NQ_PD_EARLY_BLOCKS > 0)
     prefetch_warp<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(ptr<const unsigned char>(c.lt, L_GATE_UP), 0,
                                                                 NQ_PD_EARLY_BLOCKS);
 }
 __device__ __forceinline__ void prefetch_next_qkv(Ctx& c) {
-  if (c.lt_next) prefetch_warp<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(ptr<const unsigned char>(c.lt_next, L_QKV), 0, 32);
+  if (!kLoader && c.lt_next) prefetch_warp<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(ptr<const unsigned char>(c.lt_next, L_QKV), 0, 32);
 }
+
+// ---- the loader ---------------------------------------------------------------------------
+// [pd-loader] (NQ_PD_LOADER = R pages a consumer warp, NQ_PD_LOADER_PAGE = P blocks a page; lab)
+// Every weight byte a CTA reads in a launch is known before the launch starts: its unit of each
+// GEMV and, within it, each warp's range of blocks. With the loader, one more warp walks that
+// whole schedule, layer after layer: its lane w copies consumer warp w's blocks, in the order
+// warp w multiplies them, into warp w's ring of R pages (cp.async.bulk completing on the page's
+// `full` mbarrier; blocks adjacent in memory, as a warp's are within a tile, in one copy).
+// A page holds P blocks of one instruction (its last page may hold fewer). The loader waits
+// for nothing but a free page (the page's `empty` mbarrier, which the consumer warp's lane 0
+// arrives on once its lanes hold the page's last block in registers): never for an activation,
+// a counter or another CTA. So while the consumers wait on a counter, stage their input or run
+// the attention (no weights), their next GEMV's blocks keep arriving, across instruction and
+// layer boundaries, up to R x P a warp. The consumers multiply the same blocks in the same
+// order as from their register ring: the same bits.
+// Each lane keeps its own place in the schedule (Cursor) and its own count of pages issued
+// (the same as its consumer's `ld_n`: use n of a ring is page n % R, phase (n / R) & 1); in each
+// turn of the warp's loop every lane whose next page is free issues it, so no consumer waits
+// for another's. Never hangs: NQ_PD_TIMEOUT_MS without a free page sets the error and the
+// loader stops; the consumers' waits for pages then give up at once (pd-wait's timed_out).
+constexpr int kPageBlocks = NQ_PD_LOADER_PAGE;
+constexpr int kPageBytes = kPageBlocks * nqs3::kBlockBytes;
+static_assert(kPageBlocks >= 1 && kPageBlocks <= 16, "NQ_PD_LOADER_PAGE: 1..16 blocks a page");
+__device__ __forceinline__ bool ring_wait(const Ctx& c, uint64_t* bar, unsigned parity) {
+  if (hopper::mbar_try(bar, parity)) return true;
+  const unsigned long long t0 = now_ns();
+  volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
+  for (int spin = 0; !hopper::mbar_try(bar, parity); ++spin)
+    if ((spin & 63) == 63 && timed_out(err, t0)) return false;
+  return true;
+}
+struct Cursor {              // a loader lane's place in its consumer warp's schedule
+  int k;                     // instruction: 4 (layer - first_layer) + GEMV (qkv, o_proj, gate_up, down)
+  int left;                  // blocks left of instruction k's range
+  const unsigned char* lp;   // the next block
+  int lg, ng, skip;          // its group within the tile, the unit's groups a tile, bytes to the next tile's
+  unsigned n;                // pages issued
+};
+// Cursor at the start of warp wl's range of GEMV <N, K, TG, KS> (matrix w); false: no blocks.
+template <int N, int K, int TG, int KS>
+__device__ __forceinline__ bool range_start(Cursor& q, const unsigned char* w, int wl) {
+  constexpr int G = K / NQ_GROUP_SIZE;
+  const Unit u = unit_of<N, K, TG, KS>(blockIdx.x);
+  const int b0 = wl * u.nb / kWarps, b1 = (wl + 1) * u.nb / kWarps;   // the consumer's range (gemv)
+  q.ng = max(u.ng, 1);
+  q.lp = block_at<G>(w, u, q.ng, b0);
+  q.lg = b0 % q.ng;
+  q.skip = (G - q.ng) * nqs3::kBlockBytes;
+  q.left = b1 - b0;
+  return q.left > 0;
+}
+// Move q to the first instruction from q.k on with blocks for warp wl (q.k = kEnd: none left).
+__device__ __forceinline__ void seek(Cursor& q, const Ctx& c, int first_layer, int k_end, int wl) {
+  for (; q.k < k_end; ++q.k) {
+    const long long* lt = c.tab + kLayerBase + kLayerStride * (first_layer + q.k / 4);
+    const int m = q.k % 4;
+    if (m == 0 && !skipped(K_QKV) &&
+        range_start<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(q, ptr<const unsigned char>(lt, L_QKV), wl)) return;
+    if (m == 1 && !skipped(K_O) && range_start<kO.N, kO.K, kO.TG, kO.KS>(q, ptr<const unsigned char>(lt, L_O), wl)) return;
+    if (m == 2 && !skipped(K_GATE_UP) &&
+        range_start<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(q, ptr<const unsigned char>(lt, L_GATE_UP), wl)) return;
+    if (m == 3 && !skipped(K_DOWN) &&
+        range_start<kDown.N, kDown.K, kDown.TG, kDown.KS>(q, ptr<const unsigned char>(lt, L_DOWN), wl)) return;
+  }
+}
+// Page q.n of warp wl's ring: its next min(P, left) blocks, runs of adjacent blocks one copy each.
+__device__ __forceinline__ void issue_page(Cursor& q, const Ctx& c, int wl) {
+  const int nb = min(kPageBlocks, q.left);
+  const unsigned s = wl * kLoaderSlots + q.n % kLoaderSlots;
+  unsigned char* dst = c.ld_ring + (size_t)s * kPageBytes;
+  hopper::mbar_arrive_expect_tx(c.ld_full + s, nb * nqs3::kBlockBytes);
+  const unsigned char* run = q.lp;
+  int run_blocks = 0;
+  for (int i = 0; i < nb; ++i) {
+    if (run_blocks > 0 && q.lp != run + run_blocks * nqs3::kBlockBytes) {   // not adjacent: the run so far
+      hopper::bulk_copy_g2s(dst, run, run_blocks * nqs3::kBlockBytes, c.ld_full + s);
+      dst += run_blocks * nqs3::kBlockBytes;
+      run = q.lp;
+      run_blocks = 0;
+    }
+    ++run_blocks;
+    q.lp += nqs3::kBlockBytes;
+    if (++q.lg == q.ng) { q.lg = 0; q.lp += q.skip; }
+  }
+  hopper::bulk_copy_g2s(dst, run, run_blocks * nqs3::kBlockBytes, c.ld_full + s);
+  q.left -= nb;
+  ++q.n;
+}
+// The loader warp's whole launch: the GEMV instructions of layers [first_layer, last_layer) in
+// the consumers' order (a skipped instruction, [pd-skip], has no blocks); lane w < kWarps
+// serves consumer warp w.
+__device__ void loader(const Ctx& c, int first_layer, int last_layer) {
+  const int lane = threadIdx.x & 31, k_end = 4 * (last_layer - first_layer);
+  Cursor q;
+  q.k = lane < kWarps ? 0 : k_end;
+  q.n = 0;
+  seek(q, c, first_layer, k_end, lane);
+  volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
+  unsigned long long t0 = now_ns();
+  for (int idle = 0; __any_sync(0xffffffffu, q.k < k_end);) {
+    bool issued = false;
+    if (q.k < k_end) {
+      const unsigned s = lane * kLoaderSlots + q.n % kLoaderSlots;
+      if (hopper::mbar_try(c.ld_empty + s, ((q.n / kLoaderSlots) & 1u) ^ 1u)) {   // use 0 of a page: free at once
+        issue_page(q, c, lane);
+        if (q.left == 0) { ++q.k; seek(q, c, first_layer, k_end, lane); }
+        issued = true;
+      }
+    }
+    if (__any_sync(0xffffffffu, issued)) { idle = 0; t0 = now_ns(); }
+    else if ((++idle & 63) == 63 && __any_sync(0xffffffffu, timed_out(err, t0))) return;   // (warp-uniform)
+  }
+}
+// A consumer warp, all lanes: block j of its range (b - b0) from its ring into registers. At a
+// page's first block, wait for the page; after its last (or the range's last), give it back
+// (lane 0 arrives once every lane has read it).
+__device__ __forceinline__ void ring_take(Ctx& c, nqs3::Slot& r, int warp, int lane, int j, bool last) {
+  const int i = j % kPageBlocks;
+  const unsigned s = warp * kLoaderSlots + c.ld_n % kLoaderSlots;
+  if (i == 0) ring_wait(c, c.ld_full + s, (c.ld_n / kLoaderSlots) & 1u);   // (a timeout: the error is set, go on)
+  nqs3::read_slot(r, c.ld_ring + (size_t)s * kPageBytes + i * nqs3::kBlockBytes, lane);
+  if (i == kPageBlocks - 1 || last) {
+    __syncwarp();                                                // every lane has read the page
+    if (lane == 0) hopper::mbar_arrive(c.ld_empty + s);
+    ++c.ld_n;
+  }
+}
+// [/pd-loader]
 
 // When down asks for the next layer's qkv share (NQ_PD_QKV_PREFETCH; lab): 1, at its start,
 // before its own ring and its wait (while gate_up's last CTAs still stream); 2, right after its
@@ -535,7 +694,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   unsigned char* head = xs + kHeadOffset + warp * kHead * nqs3::kBlockBytes;
   if (kHeadStart) {
     hopper::fence_proxy_async_smem();   // every thread: its earlier accesses to the region (the attention, the
-    __syncthreads();                    // last GEMV's reads) before the copies overwrite it
+    cta_sync();                    // last GEMV's reads) before the copies overwrite it
     if (nh > 0) {
       if (lane == 0) hopper::mbar_arrive_expect_tx(c.head_bar + warp, nh * nqs3::kBlockBytes);
       __syncwarp();
@@ -583,14 +742,14 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     }
   };
   const bool late_ring = (NQ_PD_LATE_RING >> kind) & 1;
-  if (!late_ring) issue_ring();
+  if (!late_ring && !kLoader) issue_ring();
   // gate_up's and down's next NQ_PD_SELF_PREFETCH blocks a warp, past the ring, into L2
   // ([pd-prefetch]; qkv's and o_proj's were prefetched by the instruction before them).
-  if (NQ_PD_SELF_PREFETCH > 0 && (kind == K_GATE_UP || kind == K_DOWN))
+  if (NQ_PD_SELF_PREFETCH > 0 && !kLoader && (kind == K_GATE_UP || kind == K_DOWN))
     prefetch_warp<N, K, TG, KS>(w, kRing, NQ_PD_SELF_PREFETCH);
   if (kind == K_QKV) probe(c, layer, 0);
   wait_inputs(c);
-  if (late_ring) issue_ring();
+  if (late_ring && !kLoader) issue_ring();
   if (kPrefetchNextQkv && NQ_PD_QKV_PREFETCH == 2) prefetch_next_qkv(c);
   if (kind == K_QKV) probe(c, layer, 1);
   // [pd-down-defer]: this down leaves its slices in WS_DOWN (another layer follows in the launch);
@@ -638,9 +797,9 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     }
   }
   if (resid_live) sepi[threadIdx.x] = resid;
-  __syncthreads();   // all threads: the staged input is complete
+  cta_sync();   // all threads: the staged input is complete
   nqs3::stage_fold<kFold>(xs, u.ng, threadIdx.x, kThreads);
-  __syncthreads();   // all threads: folds and magic words complete
+  cta_sync();   // all threads: folds and magic words complete
   if (kind == K_QKV) probe(c, layer, 2);
 
   // [pd-gemv-loop]
@@ -673,17 +832,30 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
         acc0 = 0.f; acc1 = 0.f; cg = 0; ++ct; xl = x0;
       }
     };
-    int b = b0;
+    if constexpr (kLoader) {                            // [pd-loader]: the blocks come from the warp's ring,
+      ring_take(c, r[0], warp, lane, 0, b0 + 1 == b1);  // one taken ahead of the one multiplied
 #pragma unroll 1
-    for (; b + 2 * kRing <= b1r; b += kRing) {          // steady state: every slot refilled
-#pragma unroll
-      for (int i = 0; i < kRing; ++i) step(i, true);
-    }
+      for (int b = b0; b < b1; b += 2) {
+        if (b + 1 < b1) ring_take(c, r[1], warp, lane, b + 1 - b0, b + 2 == b1);
+        step(0, false);
+        if (b + 1 < b1) {
+          if (b + 2 < b1) ring_take(c, r[0], warp, lane, b + 2 - b0, b + 3 == b1);
+          step(1, false);
+        }
+      }
+    } else {
+      int b = b0;
 #pragma unroll 1
-    for (; b < b1r; b += kRing) {                       // the last blocks: refill what remains
+      for (; b + 2 * kRing <= b1r; b += kRing) {        // steady state: every slot refilled
 #pragma unroll
-      for (int i = 0; i < kRing; ++i)
-        if (b + i < b1r) step(i, b + i + kRing < b1r);
+        for (int i = 0; i < kRing; ++i) step(i, true);
+      }
+#pragma unroll 1
+      for (; b < b1r; b += kRing) {                     // the last blocks: refill what remains
+#pragma unroll
+        for (int i = 0; i < kRing; ++i)
+          if (b + i < b1r) step(i, b + i + kRing < b1r);
+      }
     }
     if (kHeadStart && nh > 0) {                         // [pd-head]: the warp's last nh blocks, landed long ago
       hopper::mbar_wait(c.head_bar + warp, c.head_uses & 1u);
@@ -703,7 +875,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   }
   // [/pd-gemv-loop]
   if (kPrefetchNextQkv && NQ_PD_QKV_PREFETCH == 3) prefetch_next_qkv(c);
-  __syncthreads();   // all threads: every warp's row sums are in part[]
+  cta_sync();   // all threads: every warp's row sums are in part[]
   if (kind == K_QKV) probe(c, layer, 3);
 
   // Rows of the unit: add the warps' sums in warp order (thread i: row i of the unit).
@@ -726,12 +898,12 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     }
   }
   if (KS > 1 && !defer) {
-    __syncthreads();   // all threads: the slice is stored
+    cta_sync();   // all threads: the slice is stored
     if (threadIdx.x == 0) {
       is_last = 0;
       if (u.live) is_last = arrive_last(ptr<unsigned>(c.tab, T_TILE_CNT) + u.tg, KS);   // the slice is visible first
     }
-    __syncthreads();   // all threads: is_last known (and, in the last, the other slices visible)
+    cta_sync();   // all threads: is_last known (and, in the last, the other slices visible)
     if (is_last) {
       const float* ws = ptr<float>(c.tab, T_WS);
       if (my_live) {
@@ -856,7 +1028,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   if (layer == c.first_layer) {
     for (int i = threadIdx.x; i < kPagesCached && p0 + i <= (j1 - 1) / NQ_PAGE_TOKENS; i += kThreads)
       c.s_pages[i] = __ldcg(block_table + p0 + i);
-    __syncthreads();   // all threads: the split's pages are known
+    cta_sync();   // all threads: the split's pages are known
   }
   half* kc = ptr<half>(lt, L_K);
   half* vc = ptr<half>(lt, L_V);
@@ -918,7 +1090,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
         dst[0] = __ushort_as_half((unsigned short)w.x); dst[1] = __ushort_as_half((unsigned short)w.y);
         dst[2] = __ushort_as_half((unsigned short)w.z); dst[3] = __ushort_as_half((unsigned short)w.w);
       }
-      __syncthreads();   // all threads: q (k, v) in shared memory
+      cta_sync();   // all threads: q (k, v) in shared memory
       if (NQ_PD_TIMELINE && threadIdx.x == 0) c.t_ready = now_ns();
     }
     for (int i = threadIdx.x; i < GQA * D / 2; i += kThreads) {
@@ -944,7 +1116,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     }
   }
   if (lanes) hopper::cp_async_wait<0>();   // this thread's K/V rows have landed
-  __syncthreads();   // all threads: q roped; this token's k, v in shared memory (and stored to the cache)
+  cta_sync();   // all threads: q roped; this token's k, v in shared memory (and stored to the cache)
   probe(c, layer, 7);
   if (lanes && warp < GQA) {
     // [pd-attn-lanes] Warp h: query head h over the split's tokens, lane t: token j0 + t. The
@@ -1065,13 +1237,13 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       if (lane == 0) { wp[D] = m[h]; wp[D + 1] = l[h]; }
     }
   }
-  if (!lanes) __syncthreads();   // all threads: every warp's part is in shared memory
+  if (!lanes) cta_sync();   // all threads: every warp's part is in shared memory
   probe(c, layer, 8);
   if (live && !lanes && warp < GQA) {                  // warp h: head h's weights over the warps
     const float M = merge_weights(wpart, kWarps, warp, wt, lsum);
     if (lane == 0) wpart[warp * (D + 2) + D] = M;        // warp 0's m slot <- the CTA's M (all lanes have read)
   }
-  if (!lanes) __syncthreads();   // all threads: weights known
+  if (!lanes) cta_sync();   // all threads: weights known
   float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);
   half* attn = ptr<half>(c.tab, T_ATTN);
   if (live && !lanes) {
@@ -1090,9 +1262,9 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     // [pd-merge-all] Every split of KV head g merges one slice of the head's GQA x D outputs
     // once all of the head's splits are stored: no split waits on a single merging one.
     unsigned* cnt = ptr<unsigned>(c.tab, T_ATTN_CNT) + layer * KVH + g;   // (zeroed at the launch's end)
-    __syncthreads();   // all threads: this split's (m, l, acc) are stored
+    cta_sync();   // all threads: this split's (m, l, acc) are stored
     if (threadIdx.x == 0) { release_add(cnt, 1u); spin_until(c, cnt, (unsigned)splits); }
-    __syncthreads();   // all threads: every split of head g is stored and visible
+    cta_sync();   // all threads: every split of head g is stored and visible
     probe(c, layer, 9);
     const int o0 = s * (GQA * D) / splits, o1 = (s + 1) * (GQA * D) / splits, no = o1 - o0;   // this split's outputs
     const int h0 = o0 / D, nh = (o1 - 1) / D - h0 + 1;                                      // ... and their heads
@@ -1107,24 +1279,24 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
       const int o = o0 + i % no;
       sacc[i] = __ldcg(base + ((i / no) * GQA + o / D) * (D + 2) + o % D);
     }
-    __syncthreads();   // all threads: the slice of every split is staged
+    cta_sync();   // all threads: the slice of every split is staged
     if (warp < nh) merge_weights_ml(sml + warp * 2, nh * 2, splits, h0 + warp, wt, lsum);   // warp w: head h0 + w
-    __syncthreads();   // all threads: weights known
+    cta_sync();   // all threads: weights known
     for (int o = o0 + threadIdx.x; o < o1; o += kThreads)
       attn[(g * GQA + o / D) * D + o % D] = __float2half_rn(merged_acc_s(sacc + (o - o0), no, splits, o / D, wt) / lsum[o / D]);
     probe(c, layer, 10);
     // [/pd-merge-all]
   } else if (live && splits > 1) {
     __shared__ int last;
-    __syncthreads();   // all threads: this split's (m, l, acc) are stored
+    cta_sync();   // all threads: this split's (m, l, acc) are stored
     if (threadIdx.x == 0) last = arrive_last(ptr<unsigned>(c.tab, T_ATTN_CNT) + g, splits);
-    __syncthreads();   // all threads: last known (and, in the last, the other splits visible)
+    cta_sync();   // all threads: last known (and, in the last, the other splits visible)
     probe(c, layer, 9);
     if (last) {
       // Every split's (acc, m, l) into shared memory at once (independent coalesced loads: one
       // L2 round trip, not one per split), then the merge from there.
       const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
-      __syncthreads();   // the last CTA's threads: done with wpart above
+      cta_sync();   // the last CTA's threads: done with wpart above
       {   // 16-byte cp.async straight into shared memory (L2 only, no registers), then one wait
         const int total = splits * GQA * (D + 2), n4 = total / 4;
         for (int i = threadIdx.x; i < n4; i += kThreads)
@@ -1133,9 +1305,9 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
         for (int i = 4 * n4 + threadIdx.x; i < total; i += kThreads) wpart[i] = __ldcg(base + i);
         hopper::cp_async_wait<0>();
       }
-      __syncthreads();   // the last CTA's threads: the splits are staged
+      cta_sync();   // the last CTA's threads: the splits are staged
       if (warp < GQA) merge_weights(wpart, splits, warp, wt, lsum);   // warp h: head h's weights over the splits
-      __syncthreads();   // the last CTA's threads: weights known
+      cta_sync();   // the last CTA's threads: weights known
       for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
         const int h = i / D, d = i % D;
         attn[(g * GQA + h) * D + d] = __float2half_rn(merged_acc(wpart, splits, h, d, wt) / lsum[h]);
@@ -1170,7 +1342,7 @@ __device__ void head(Ctx& c, int idx, int num_layers, unsigned char* smem, float
 #pragma unroll
     for (int i = 0; i < 8; ++i) xs[8 * ch + i] = __half2float(yh[i]);
   }
-  __syncthreads();   // all threads: xs complete
+  cta_sync();   // all threads: xs complete
   const float4* xs4 = reinterpret_cast<const float4*>(xs);
   float* logits = ptr<float>(c.tab, T_LOGITS);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1210,7 +1382,7 @@ __device__ void head(Ctx& c, int idx, int num_layers, unsigned char* smem, float
     }
   }
   int* token = c.scalars + S_TOKEN * NQ_SCALAR_STRIDE;
-  const bool wrote = nq::argmax_finish<kThreads>(best, ptr<float>(c.tab, T_ARG_VAL), ptr<int>(c.tab, T_ARG_IDX),
+  const bool wrote = nq::argmax_finish<kThreads, kLoader ? 1 : 0>(best, ptr<float>(c.tab, T_ARG_VAL), ptr<int>(c.tab, T_ARG_IDX),
                                                  ptr<unsigned>(c.tab, T_ARG_CNT), token);
   if (wrote && threadIdx.x == 0) {                 // engine_step.cu's nq_step_end
     int* s = c.scalars;
@@ -1227,9 +1399,10 @@ __device__ void head(Ctx& c, int idx, int num_layers, unsigned char* smem, float
 // flags: F_BEGIN (bookkeeping + embed first), F_HEAD (lm_head + argmax + bookkeeping last);
 // new_page: this position starts a page (pop one from the free list, as nq_step_begin);
 // eps: the rmsnorm epsilon.
-// grid: one CTA per SM (all resident: 1 CTA of kThreads fits an SM by registers and shared
-// memory, checked by the launcher); block kThreads; dynamic shared memory pd::kSmemBytes.
-extern "C" __global__ void __launch_bounds__(pd::kThreads, 1)
+// grid: one CTA per SM (all resident: 1 CTA of kBlockThreads fits an SM by registers and shared
+// memory, checked by the launcher); block kBlockThreads (kThreads, and the loader warp with
+// NQ_PD_LOADER); dynamic shared memory pd::kSmemBytes.
+extern "C" __global__ void __launch_bounds__(pd::kBlockThreads, 1)
 nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int last_layer, int num_layers,
                      int flags, int new_page, float eps) {
   using namespace pd;
@@ -1259,7 +1432,23 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   if constexpr (kHead > 0) {           // [pd-head]: one barrier a warp, one arrival (its lane 0) a phase
     if (threadIdx.x < kWarps) hopper::mbar_init(head_bar + threadIdx.x, 1);
     hopper::fence_mbarrier_init();
-    __syncthreads();   // all threads: the barriers are initialised
+    cta_sync();   // all threads: the barriers are initialised
+  }
+  // [pd-loader]: a page's full barrier, one arrival (the loader lane's expect_tx) and the bytes
+  // a phase; its empty barrier, one arrival (the consumer warp's lane 0)
+  __shared__ __align__(8) uint64_t ld_full[kLoader ? kWarps * kLoaderSlots : 1];
+  __shared__ __align__(8) uint64_t ld_empty[kLoader ? kWarps * kLoaderSlots : 1];
+  c.ld_ring = smem + kLoaderOffset;
+  c.ld_full = ld_full;
+  c.ld_empty = ld_empty;
+  c.ld_n = 0;
+  if constexpr (kLoader) {
+    for (int i = threadIdx.x; i < kWarps * kLoaderSlots; i += kBlockThreads) {
+      hopper::mbar_init(ld_full + i, 1);
+      hopper::mbar_init(ld_empty + i, 1);
+    }
+    hopper::fence_mbarrier_init();
+    __syncthreads();   // every thread, the loader's too: the barriers are initialised
   }
   unsigned dyn;
   asm("mov.u32 %0, %dynamic_smem_size;" : "=r"(dyn));
@@ -1270,6 +1459,10 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
     return;
   }
   const int kDone = 2 + 5 * num_layers;
+  if (kLoader && threadIdx.x >= kThreads) {   // [pd-loader]: the loader warp walks the weights, and is done
+    loader(c, first_layer, last_layer);
+    return;
+  }
 
   if (flags & F_BEGIN) {
     begin_instruction(c);
@@ -1296,7 +1489,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
         }
         tok = s[S_TOKEN * NQ_SCALAR_STRIDE];
       }
-      __syncthreads();   // CTA 0: tok known
+      cta_sync();   // CTA 0: tok known
       const bool ok = tok >= 0 && tok < V;           // decode_ops.cu's nq_embed: a bad id -> NaN row
       const uint4* src = reinterpret_cast<const uint4*>(ptr<const half>(tab, T_EMBED) + (size_t)(ok ? tok : 0) * H);
       const uint4 nan4 = make_uint4(0x7E007E00u, 0x7E007E00u, 0x7E007E00u, 0x7E007E00u);
@@ -1334,7 +1527,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   // The last CTA out resets every counter for the next launch: all CTAs have passed all
   // their waits once they arrive here.
   begin_instruction(c);
-  __syncthreads();   // all threads: this CTA is done
+  cta_sync();   // all threads: this CTA is done
   __shared__ int last_out;   // ([pd-qkv-ll]: the last CTA's threads zero the tagged words)
   if (threadIdx.x == 0) {
     const bool last = arrive_last(c.sync + kDone, (unsigned)c.grid);
@@ -1351,7 +1544,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
 #endif
   }
   if constexpr (kQkvLL) {
-    __syncthreads();   // all threads: last_out known
+    cta_sync();   // all threads: last_out known
     if (last_out)
       for (int i = threadIdx.x; i < QKV_DIM; i += kThreads) ptr<unsigned>(tab, T_QKV_TAG)[i] = 0u;
   }

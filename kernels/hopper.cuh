@@ -48,6 +48,14 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
                      " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     } while (!done);
 }
+// One try (no loop): true once the phase with this parity has completed (acquire, as mbar_wait);
+// for a waiter that must also watch a clock or an error flag between tries.
+__device__ __forceinline__ bool mbar_try(uint64_t* bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
 // As mbar_wait, with a suspend-time hint: a waiting thread may be suspended (up to `ns`
 // nanoseconds) until the phase completes, instead of re-issuing try_wait, so a waiting warp
 // leaves its issue slots to the others (on the bulk GEMV it changed nothing: PERFLOG v5).

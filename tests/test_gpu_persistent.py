@@ -199,6 +199,32 @@ def test_head_blocks_from_shared_memory_give_the_same_bits():
         assert eng.pd.smem > 0 and t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32)), h
 
 
+@pytest.mark.parametrize("warps,slots,page", [(15, 8, 1), (15, 2, 1), (16, 3, 1), (15, 2, 3), (15, 3, 5)])
+def test_loader_warp_gives_the_same_bits(warps, slots, page):
+    """[pd-loader]: the blocks copied by the loader warp into each consumer warp's ring, across
+    instruction and layer boundaries, multiplied in the same order as from the register ring:
+    bitwise the logits of the build without the loader (same warps, same plan) at every step.
+    Two pages a warp wrap each ring many times a layer (every phase of both barriers used);
+    pages of several blocks end mid-page at a range's end and split where a tile ends."""
+    f, eng = _tiny_engine()
+    prompt = prompt_ids(np.random.default_rng(19), 29)
+    t0, l0 = _decode_bits(eng, {"NQ_PD_WARPS": warps}, prompt)
+    assert np.isfinite(l0).all()
+    t, l = _decode_bits(eng, {"NQ_PD_WARPS": warps, "NQ_PD_LOADER": slots, "NQ_PD_LOADER_PAGE": page}, prompt)
+    assert eng.pd.threads == 32 * (warps + 1)
+    assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
+
+
+def test_loader_warp_gives_the_same_bits_7b(file_7b, engine_7b):
+    """[pd-loader] on the 7B's shapes (down in K slices, warps over two tiles): 4 steps with the
+    loader, bitwise those without it (15 consumer warps each)."""
+    prompt = prompt_ids(np.random.default_rng(23), 40)
+    t0, l0 = _decode_bits(engine_7b, {"NQ_PD_WARPS": 15}, prompt, steps=4)
+    t, l = _decode_bits(engine_7b, {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 3, "NQ_PD_LOADER_PAGE": 3}, prompt, steps=4)
+    engine_7b.pd = PersistentStep(engine_7b)                # the fixture's default step back
+    assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
+
+
 # ---- against the reference model ---------------------------------------------------------
 SPLIT_DOWN = {"NQ_PD_DOWN_TG": 28, "NQ_PD_DOWN_KS": 2}      # tiny's down in 2 K slices (56 units)
 

@@ -11,7 +11,8 @@ The default variants are the ones PERFLOG.md's latest persistent rows were measu
 `--variants v8` the v8 rows, `--variants lanes` the lane path's first run, `--variants v10`
 the request placements and the LL polling, `--variants bounds` the diagnostic builds that
 skip instructions (their tokens are meaningless; their time is what the rest costs alone),
-`--variants head` the shared-memory heads of gate_up and down.
+`--variants head` the shared-memory heads of gate_up and down, `--variants loader` the loader
+warp ([pd-loader]) at several ring depths.
 """
 from __future__ import annotations
 
@@ -66,7 +67,14 @@ HEAD = ";".join([                                        # [pd-head]: gate_up's 
     "", "NQ_PD_HEAD_BLOCKS=2", "NQ_PD_HEAD_BLOCKS=4", "NQ_PD_HEAD_BLOCKS=6", "NQ_PD_HEAD_BLOCKS=8",
     "", "NQ_PD_HEAD_BLOCKS=4",
 ])
-SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD}
+LOADER = ";".join([                                      # [pd-loader]: a loader warp fills per-warp rings across instructions
+    "", "NQ_PD_WARPS=15",                                # the default, and its 15 consumer warps without a loader
+    "NQ_PD_WARPS=15,NQ_PD_LOADER=10",                   # pages of one block
+    "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2", "NQ_PD_WARPS=15,NQ_PD_LOADER=3,NQ_PD_LOADER_PAGE=3",
+    "NQ_PD_WARPS=15,NQ_PD_LOADER=2,NQ_PD_LOADER_PAGE=5",
+    "", "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2",
+])
+SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER}
 
 
 def parse(spec: str) -> list[dict]:

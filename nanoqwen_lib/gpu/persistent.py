@@ -33,19 +33,20 @@ F_BEGIN, F_HEAD = decode_contract.FLAGS["BEGIN"], decode_contract.FLAGS["HEAD"]
 ERRORS = decode_contract.ERRORS       # scalars[error] code -> message (the kernel's own: 3, 4, 5)
 
 
-def persistent_plan(dims: ModelDims, sms: int | None = None, hw=None) -> dict[str, int]:
+def persistent_plan(dims: ModelDims, sms: int | None = None, hw=None, defines: dict | None = None) -> dict[str, int]:
     """How the persistent decode step (kernels/decode_persistent.cu) cuts each layer GEMV over
     a grid of `sms` CTAs (default: hardware().sms, the SMs this machine plans for): NQ_PD_<M>_TG tile sets x
     NQ_PD_<M>_KS K slices, one unit per CTA. A unit's time is modelled as its largest share of
     1056-byte layout-3 blocks at one SM's share of the read ceiling, plus one global round trip
     when KS > 1 (the last unit of a tile set adds the slices); the plan takes the cheapest
     split whose warps each touch at most NQ_PD_KMAX tiles and whose units have at most one row
-    per thread (the epilogue). Pure arithmetic: the CPU build and
+    per thread (the epilogue); defines: knobs a build overrides (its NQ_PD_WARPS, NQ_PD_KMAX).
+    Pure arithmetic: the CPU build and
     the engine (with the device's SM count) call the same function."""
     from nanoqwen_lib.gpu.hardware import hardware
     cfg, hw = load().engine.persistent, hw or hardware()
     sms = sms or hw.sms
-    tun = load().tuning["decode_persistent"].defines
+    tun = dict(load().tuning["decode_persistent"].defines, **(defines or {}))
     warps, kmax = tun["NQ_PD_WARPS"], tun["NQ_PD_KMAX"]
     group = load().format.group_size
     block = 16 * group // 2 + 32                        # format/stream_layout.BLOCK_BYTES
@@ -100,8 +101,9 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     """Dynamic shared memory of the kernel (its kSmemBytes): the largest staging of any
     instruction (kStageBytes, rounded to 16 bytes; with NQ_PD_HEAD_BLOCKS, at least the
     warps' head blocks past the largest GEMV staging), then, with NQ_PD_SMEM_RING, every warp's
-    ring of NQ_PD_RING layout-3 blocks, then NQ_PD_SMEM_PAD_KB reserved (a lab variant). The
-    kernel refuses a launch with less (scalars[error] = 4)."""
+    ring of NQ_PD_RING layout-3 blocks, then with NQ_PD_LOADER ([pd-loader]) every consumer
+    warp's ring of NQ_PD_LOADER pages of NQ_PD_LOADER_PAGE blocks the loader warp fills, then NQ_PD_SMEM_PAD_KB reserved
+    (a lab variant). The kernel refuses a launch with less (scalars[error] = 4)."""
     t = dict(TUNING, **(defines or {}))
     gqa = dims.num_heads // dims.num_kv_heads
     group, xgroup = load().format.group_size, 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]
@@ -114,7 +116,8 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     # [pd-head]: each warp's NQ_PD_HEAD_BLOCKS blocks past the largest GEMV staging
     head = -(-x // 128) * 128 + t["NQ_PD_WARPS"] * t["NQ_PD_HEAD_BLOCKS"] * BLOCK_BYTES if t["NQ_PD_HEAD_BLOCKS"] else 0
     ring = t["NQ_PD_RING"] * t["NQ_PD_WARPS"] * BLOCK_BYTES if t["NQ_PD_SMEM_RING"] else 0
-    return max(stage, head) + ring + t["NQ_PD_SMEM_PAD_KB"] * 1024
+    loader = t["NQ_PD_LOADER"] * t["NQ_PD_LOADER_PAGE"] * t["NQ_PD_WARPS"] * BLOCK_BYTES
+    return max(stage, head) + ring + loader + t["NQ_PD_SMEM_PAD_KB"] * 1024
 
 
 def layer_stream_slots(dims: ModelDims) -> dict[str, int]:
@@ -151,14 +154,14 @@ class PersistentStep:
         self.extra = dict(defines or {})               # the knobs this build overrides (a diagnostic build keeps them)
         # ... a split among them (NQ_PD_<M>_{TG,KS}, a lab variant) replaces the plan's, so that
         # the workspaces and the shared memory are sized for the split the kernel runs
-        self.plan = persistent_plan(dims, self.grid)
+        self.plan = persistent_plan(dims, self.grid, defines=self.extra)
         self.plan.update({k: int(v) for k, v in self.extra.items() if k in self.plan})
         check_plan(dims, self.plan, self.grid)
         self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **self.extra)
         self.timeline_on = timeline
         self.kernel = load_module(KERNEL, dims, self.defines).get_function("nq_decode_persistent")
         t = dict(TUNING, **self.defines)
-        self.threads = 32 * t["NQ_PD_WARPS"]
+        self.threads = 32 * (t["NQ_PD_WARPS"] + (t["NQ_PD_LOADER"] > 0))   # [pd-loader]: one more warp
         self.smem = smem_bytes(dims, self.plan, self.defines)
         self.kernel.max_dynamic_shared_size_bytes = self.smem
         if residency:
