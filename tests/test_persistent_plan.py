@@ -15,6 +15,7 @@ from nanoqwen_lib.config import load
 from nanoqwen_lib.gpu.persistent import persistent_plan
 from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.gpu import cuda_build, decode_contract, persistent
+from nanoqwen_lib.gpu.cuda_build import compile_cubin, sass
 from nanoqwen_lib.measure.timeline import KINDS
 
 SRC = cuda_build.kernel_source("decode_persistent")
@@ -178,3 +179,42 @@ def test_engine_refuses_bad_decode_modes_before_the_gpu():
     with pytest.raises(LimitError, match="model-fp8.nanoqwen.*FP8"):
         GpuBackend(f, decode="persistent")
     assert load().engine.decode == {"int4": "persistent", "fp8": "graph"}
+
+
+# ---- [pd-loader] -------------------------------------------------------------------------
+@pytest.mark.parametrize("slots,page", [(10, 1), (5, 2), (2, 5)])
+def test_loader_rings_sit_past_the_staging_within_the_opt_in(slots, page):
+    """NQ_PD_LOADER ([pd-loader]): 15 consumer warps' rings of slots x page 1056-byte blocks,
+    past the largest staging; with the kernel's own static shared memory (its barriers too)
+    within the 227 KiB a CTA may opt into on sm_90."""
+    dims = load().models["7b"]
+    ex = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": slots, "NQ_PD_LOADER_PAGE": page}
+    plan = persistent_plan(dims, 132, defines=ex)
+    base = persistent.smem_bytes(dims, plan, {"NQ_PD_WARPS": 15})
+    b = persistent.smem_bytes(dims, plan, ex)
+    assert b - base == 15 * slots * page * 1056
+    _, log = compile_cubin("decode_persistent", dims, dict(plan, **ex))
+    static = int(re.search(r"(\d+) bytes smem", log).group(1))
+    assert b + static <= 227 * 1024
+
+
+def test_plan_follows_the_builds_warps():
+    """A build with 15 consumer warps gets a plan whose units have at most 480 rows (one thread
+    each in the epilogue), for the 7B on 132 SMs."""
+    dims = load().models["7b"]
+    plan = persistent_plan(dims, 132, defines={"NQ_PD_WARPS": 15})
+    for m, n in (("QKV", dims.qkv_dim), ("O", dims.hidden), ("GU", 2 * dims.intermediate), ("DOWN", dims.hidden)):
+        assert 16 * -(-(-(-n // 16)) // plan[f"NQ_PD_{m}_TG"]) <= 480, m
+
+
+def test_loader_build_syncs_only_its_consumers():
+    """[pd-loader]'s SASS: the loader's bulk copies (UBLKCP) and mbarrier waits are there, and
+    every CTA barrier but the one after the barriers' initialisation is named barrier 1 over the
+    480 consumer threads (the loader warp never reaches one: a barrier 0 would hang the CTA)."""
+    dims = load().models["tiny"]
+    ex = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 3, "NQ_PD_LOADER_PAGE": 3}
+    s = sass("decode_persistent", dims, dict(persistent_plan(dims, defines=ex), **ex))
+    bars = [b.replace(" ", "") for b in re.findall(r"BAR\.SYNC[.\w]*\s+([^;]+);", s)]
+    assert "UBLKCP" in s and "TRYWAIT" in s
+    assert bars.count("0x0") == 1 and all(b == "0x1,0x1e0" for b in bars if b != "0x0"), bars[:8]
+    assert "UBLKCP" not in sass("decode_persistent", dims)   # the default build: no loader, no bulk copies
