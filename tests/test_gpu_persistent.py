@@ -199,7 +199,7 @@ def test_head_blocks_from_shared_memory_give_the_same_bits():
         assert eng.pd.smem > 0 and t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32)), h
 
 
-@pytest.mark.parametrize("warps,slots,page", [(15, 8, 1), (15, 2, 1), (16, 3, 1), (15, 2, 3), (15, 3, 5)])
+@pytest.mark.parametrize("warps,slots,page", [(15, 8, 1), (15, 2, 1), (16, 3, 1), (15, 2, 3), (15, 2, 5)])
 def test_loader_warp_gives_the_same_bits(warps, slots, page):
     """[pd-loader]: the blocks copied by the loader warp into each consumer warp's ring, across
     instruction and layer boundaries, multiplied in the same order as from the register ring:

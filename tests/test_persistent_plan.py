@@ -218,3 +218,17 @@ def test_loader_build_syncs_only_its_consumers():
     assert "UBLKCP" in s and "TRYWAIT" in s
     assert bars.count("0x0") == 1 and all(b == "0x1,0x1e0" for b in bars if b != "0x0"), bars[:8]
     assert "UBLKCP" not in sass("decode_persistent", dims)   # the default build: no loader, no bulk copies
+
+
+def test_a_ring_past_the_opt_in_is_refused_by_name():
+    """15 consumer warps' rings of 3 pages of 5 blocks (237600 bytes past the staging) do not fit
+    the 227 KiB a CTA may opt into: a LimitError that names the knobs and both sizes, raised
+    before the kernel is built (the driver's own answer is an unnamed invalid argument)."""
+    dims = load().models["tiny"]
+    ex = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 3, "NQ_PD_LOADER_PAGE": 5}
+    plan = persistent_plan(dims, defines=ex)
+    with pytest.raises(LimitError, match=r"NQ_PD_LOADER=3, NQ_PD_LOADER_PAGE=5.*232448.*static"):
+        persistent.check_smem(dims, plan, ex)
+    ok = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 2, "NQ_PD_LOADER_PAGE": 5}
+    assert persistent.check_smem(dims, persistent_plan(dims, defines=ok), ok) == \
+        persistent.smem_bytes(dims, persistent_plan(dims, defines=ok), ok)

@@ -92,6 +92,23 @@ def check_plan(dims: ModelDims, plan: dict, grid: int) -> None:
             raise LimitError(f"kernels/{KERNEL}.cu", f"NQ_PD_{m}_KS", f"<= {k // group} (the groups of K = {k})", ks)
 
 
+def check_smem(dims: ModelDims, plan: dict, defines: dict | None = None, static: int = 0) -> int:
+    """The build's shared memory (smem_bytes, plus the kernel's `static` bytes once it is
+    built) within what one CTA may opt into on this machine (hardware().smem_optin: 227 KiB
+    on sm_90), or a LimitError naming the knobs that size it, before the driver refuses the
+    attribute with an unnamed invalid argument. Returns the dynamic bytes."""
+    from nanoqwen_lib.gpu.hardware import hardware
+    dyn = smem_bytes(dims, plan, defines)
+    limit = hardware().smem_optin
+    if dyn + static > limit:
+        t = dict(TUNING, **(defines or {}))
+        knobs = ", ".join(f"{k}={t[k]}" for k in ("NQ_PD_WARPS", "NQ_PD_LOADER", "NQ_PD_LOADER_PAGE",
+                                                  "NQ_PD_HEAD_BLOCKS", "NQ_PD_SMEM_RING", "NQ_PD_SMEM_PAD_KB") if k in t)
+        raise LimitError(f"kernels/{KERNEL}.cu", f"shared memory per CTA ({knobs})",
+                         f"<= {limit} bytes (what a CTA may opt into)", f"{dyn} dynamic + {static} static")
+    return dyn
+
+
 def instructions(num_layers: int) -> int:
     """Instructions of one full step: begin, 5 per layer, head, end (the timeline's rows)."""
     return 5 * num_layers + 3
@@ -159,10 +176,11 @@ class PersistentStep:
         check_plan(dims, self.plan, self.grid)
         self.defines = dict(self.plan, NQ_PD_TIMELINE=int(timeline), **self.extra)
         self.timeline_on = timeline
+        check_smem(dims, self.plan, self.defines)       # before the build: a ring that cannot fit
         self.kernel = load_module(KERNEL, dims, self.defines).get_function("nq_decode_persistent")
         t = dict(TUNING, **self.defines)
         self.threads = 32 * (t["NQ_PD_WARPS"] + (t["NQ_PD_LOADER"] > 0))   # [pd-loader]: one more warp
-        self.smem = smem_bytes(dims, self.plan, self.defines)
+        self.smem = check_smem(dims, self.plan, self.defines, static=self.kernel.shared_size_bytes)
         self.kernel.max_dynamic_shared_size_bytes = self.smem
         if residency:
             self._check_residency(dev)
