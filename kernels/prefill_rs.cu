@@ -38,9 +38,11 @@
 // line (nanoqwen_lib/gpu/ops_prefill_rs.py: RS_BUILD) and may override each name:
 //   NQ_RS_BM tokens per CTA (the wgmma N: 64, 128), NQ_RS_CWG consumer warpgroups (64 features each),
 //   NQ_RS_STAGES the X ring's depth, NQ_RS_PF k-tiles of W in registers ahead of use (the k loop is
-//   unrolled by it), NQ_RS_OVERLAP 1: convert k-tile kt+1 while kt's wgmmas run in the same
-//   warpgroup (ptxas then serializes the wgmmas, C7513), 0: each warpgroup waits for its own
-//   group, and the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
+//   unrolled by it), NQ_RS_OVERLAP 1 (with NQ_RS_WSMEM 0): convert k-tile kt+1 while kt's wgmmas
+//   run in the same warpgroup, one group a k-tile (ptxas then serializes the wgmmas, C7513);
+//   2 (with NQ_RS_WSMEM 1, lab): a group per k16 step and two fragment sets, step s of kt+1
+//   converted right after step s of kt is issued (below, [rs-overlap]); 0: each warpgroup waits
+//   for its own group, and the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
 //   NQ_RS_KG k-tiles a wgmma group (not overlapped): 2 converts two k-tiles, then issues their 8
 //   wgmmas as one group and waits once (half the waits, twice the fragment registers).
 //   NQ_RS_WSMEM 1: W and its scales by bulk copies into each stage (the consumers read them with
@@ -75,7 +77,10 @@ static_assert(CWG >= 1 && CWG <= 3, "1..3 consumer warpgroups");
 static_assert((KG == 1 || KG == 2) && PF % KG == 0 && (KG == 1 || !NQ_RS_OVERLAP) && STAGES > KG,
               "KG: 1 or 2 k-tiles a group, dividing PF, not overlapped, fewer than the stages");
 static_assert(NQ_RS_PROBE == 0 || NQ_RS_PROBE == 1 || (NQ_RS_PROBE == 2 && !NQ_RS_OVERLAP), "probes: 1, 2 (not overlapped)");
-static_assert(!(NQ_RS_WSMEM && NQ_RS_OVERLAP), "the overlapped build reads W from global memory (NQ_RS_WSMEM 0)");
+static_assert(NQ_RS_OVERLAP >= 0 && NQ_RS_OVERLAP <= 2, "NQ_RS_OVERLAP: 0, 1 or 2");
+static_assert(NQ_RS_OVERLAP != 1 || !NQ_RS_WSMEM, "NQ_RS_OVERLAP 1 reads W from global memory (NQ_RS_WSMEM 0)");
+static_assert(NQ_RS_OVERLAP != 2 || (NQ_RS_WSMEM && NQ_RS_PROBE == 0 && STAGES >= 3),
+              "NQ_RS_OVERLAP 2: W from the stage, no probe, 3 stages at least (two held, one awaited)");
 static_assert(!NQ_RS_SWIGLU || NQ_RS_WSMEM, "SwiGLU: the shared-memory path (its scales come in the RS order)");
 static_assert(PF == 2 || PF == 4, "PF: 2 or 4 (the k loop is unrolled by it; fragments alternate)");
 static_assert(STAGES >= 2 && STAGES <= 8 && STAGE_BYTES % 1024 == 0, "2..8 stages, 1024-aligned");
@@ -212,6 +217,78 @@ __device__ __forceinline__ void consumer_smem(unsigned char* smem, uint64_t* ful
 }
 // [/rs-consumer]
 
+// [rs-overlap] (NQ_RS_OVERLAP 2, lab): the conversion under the warpgroup's own wgmmas. Each
+// k16 step is its own wgmma group, and the fragments alternate between two register sets by
+// k-tile parity: right after step s of k-tile kt is issued, step s of kt + 1 is converted into
+// the other set, whose last reader (step s of kt - 1) has four newer groups behind it, so
+// `wgmma.wait_group 4` (almost always already true) is all the conversion waits for. The stage of
+// kt - 1 is released once kt's last step is issued (all of kt - 1's groups are then done). A
+// register is never written while a wgmma that reads it may be in flight, which is what lets
+// ptxas keep the wgmmas asynchronous (no C7513).
+__device__ __forceinline__ void stage_words(const unsigned char* smem, int stage, int cw, int warp, int lane, int g,
+                                            uint4& wq, uint32_t& sr, uint32_t& sr8) {
+  const unsigned char* wst = smem + STAGES * STAGE_BYTES + stage * W_STAGE;
+  wq = reinterpret_cast<const uint4*>(wst + cw * W_CHUNK)[warp * 32 + lane];
+  const unsigned short* srow = reinterpret_cast<const unsigned short*>(wst + CWG * W_CHUNK + cw * S_CHUNK);
+  sr = (uint32_t)srow[16 * warp + g] * 0x10001u;
+  sr8 = (uint32_t)srow[16 * warp + g + 8] * 0x10001u;
+}
+__device__ __forceinline__ void consumer_smem_overlap(unsigned char* smem, uint64_t* full, uint64_t* empty, int cw,
+                                                      int KT, float (&acc)[BM / 2]) {
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2;
+  const uint32_t base = hopper::smem_u32(smem);
+  const bool leader = lane == 0;
+  uint32_t frag[2][4][4];
+  int held[2] = {-1, -1};            // the stage each fragment set's k-tile read, until it is released
+  hopper::MbarRing<STAGES> ring;
+  uint4 wq;
+  uint32_t sr, sr8;
+  hopper::mbar_wait(&full[ring.stage], ring.phase);
+  stage_words(smem, ring.stage, cw, warp, lane, g, wq, sr, sr8);
+  fragments(frag[0], wq, sr, sr8);
+  int cur = ring.stage;
+  ring.advance();
+  for (int kb = 0; kb < KT; kb += 2) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {   // p: kt's parity, a constant once unrolled
+      const int kt = kb + p;
+      if (kt >= KT) break;
+      const bool more = kt + 1 < KT;
+      int next = -1;
+      uint32_t w[4] = {0u, 0u, 0u, 0u};
+      if (more) {                    // kt + 1's stage: its X for the wgmmas, its W and scales now
+        hopper::mbar_wait(&full[ring.stage], ring.phase);
+        stage_words(smem, ring.stage, cw, warp, lane, g, wq, sr, sr8);
+        w[0] = wq.x, w[1] = wq.y, w[2] = wq.z, w[3] = wq.w;
+        next = ring.stage;
+        ring.advance();
+      }
+      const uint32_t b = base + cur * STAGE_BYTES;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        hopper::wgmma_fence();
+        wgmma::wgmma_f16_rs<BM>(acc, frag[p][s], desc_sw128(b + 32 * s), 1);
+        hopper::wgmma_commit();
+        if (more) {
+          hopper::wgmma_wait<4>();   // step s of kt - 1 is done: frag[p ^ 1][s] is free
+          convert(frag[p ^ 1][s], w[s], sr, sr8);
+        }
+      }
+      if (more) {                    // all of kt - 1's groups are done (four newer: kt's)
+        if (held[p ^ 1] >= 0 && leader) hopper::mbar_arrive(&empty[held[p ^ 1]]);
+        held[p ^ 1] = -1;
+      }
+      held[p] = cur;
+      cur = next;
+    }
+  }
+  hopper::wgmma_wait<0>();
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+    if (held[p] >= 0 && leader) hopper::mbar_arrive(&empty[held[p]]);
+}
+// [/rs-overlap]
+
 // One consumer warpgroup cw: features n0 + 64 cw .. + 63, every token of the tile.
 __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, uint64_t* full, uint64_t* empty,
                                          int m0, int n0, int cw, int KT) {
@@ -220,7 +297,9 @@ __device__ __forceinline__ void consumer(const Problem& p, unsigned char* smem, 
   float acc[BM / 2];
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-#if NQ_RS_WSMEM
+#if NQ_RS_WSMEM && NQ_RS_OVERLAP == 2
+  consumer_smem_overlap(smem, full, empty, cw, KT, acc);
+#elif NQ_RS_WSMEM
   consumer_smem(smem, full, empty, cw, KT, acc);
 #else
   const int G = p.K / NQ_GROUP_SIZE;

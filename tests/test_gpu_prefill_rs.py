@@ -65,13 +65,16 @@ def test_rs_gemm_odd_shapes(rng, t, n, k):
                                    {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, {"NQ_RS_KG": 2}, {"NQ_RS_WSMEM": 0},
                                    {"NQ_RS_WSMEM": 0, "NQ_RS_CWG": 1, "NQ_RS_PF": 2},
                                    {"NQ_RS_WSMEM": 0, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
-                                   {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_KG": 2}])
+                                   {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_KG": 2},
+                                   {"NQ_RS_OVERLAP": 2}, {"NQ_RS_OVERLAP": 2, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
+                                   {"NQ_RS_OVERLAP": 2, "NQ_RS_STAGES": 3}])
 def test_rs_gemm_builds(rng, build):
     run_rs(rng, 512, 3584, 3584, bias=False, residual=True, **build)
 
 
 @pytest.mark.parametrize("t, i, k, build", [(512, 18944, 3584, {}), (17, 18944, 3584, {}),
-                                             (130, 40, 256, {}), (512, 2432, 896, {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6})])
+                                             (130, 40, 256, {}), (512, 2432, 896, {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}),
+                                             (512, 18944, 3584, {"NQ_RS_OVERLAP": 2, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6})])
 def test_rs_swiglu_is_the_plain_gemm_then_the_act(rng, t, i, k, build):
     """The SwiGLU epilogue (gate_up in the SwiGLU row order) gives the bits of the plain RS GEMM
     into [g | u] followed by ops_prefill.swiglu_act: every element, act poisoned first; the plain

@@ -33,6 +33,8 @@ BUILDS = {"rs": {}, "rs 3 consumers": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6}, "rs k
           # W by LDG into registers (the first build measured; PERFLOG says why it waits)
           "rs global": {"NQ_RS_WSMEM": 0}, "rs global 3c": {"NQ_RS_WSMEM": 0, "NQ_RS_CWG": 3, "NQ_RS_STAGES": 6},
           "rs global overlap": {"NQ_RS_WSMEM": 0, "NQ_RS_OVERLAP": 1},
+          # [rs-overlap]: a group a k16 step, two fragment sets, conversion under the own wgmmas
+          "rs overlap": {"NQ_RS_OVERLAP": 2}, "rs 3c overlap": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_OVERLAP": 2},
           "probe wgmma only": {"NQ_RS_PROBE": 1}, "probe convert only": {"NQ_RS_PROBE": 2},
           "probe 3c wgmma only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 1},
           "probe 3c convert only": {"NQ_RS_CWG": 3, "NQ_RS_STAGES": 6, "NQ_RS_PROBE": 2},

@@ -207,7 +207,7 @@ PY
       # RS_NCU builds (default: the three-consumer build and its wgmma-only probe) on gate_up
       t0=$(date +%s)
       # RS_BUILDS: '|'-separated build names (default: all below); RS_NCU=none skips ncu
-      IFS='|' read -ra rsb <<< "${RS_BUILDS:-rs|rs 3 consumers|rs kg2|rs 3c kg2|rs 3c st4|rs 3c st8|rs 3c bm64|rs global|rs global 3c|probe wgmma only|probe convert only|probe 3c wgmma only|probe 3c convert only|probe global wgmma only}"
+      IFS='|' read -ra rsb <<< "${RS_BUILDS:-rs|rs 3 consumers|rs overlap|rs 3c overlap|rs kg2|rs 3c kg2|rs 3c st4|rs 3c st8|rs 3c bm64|rs global|rs global 3c|probe wgmma only|probe convert only|probe 3c wgmma only|probe 3c convert only|probe global wgmma only}"
       timeout ${RS_TIMEOUT:-300} python3 tools/bench_prefill_rs.py --tokens ${RS_TOKENS:-512} --builds "${rsb[@]}" \
         --json $OUT/rs-sweep.json 2>&1 | tee $OUT/rs-sweep.log | tail -6
       IFS='|' read -ra builds <<< "${RS_NCU:-rs 3 consumers|probe 3c wgmma only}"
