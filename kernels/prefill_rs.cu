@@ -179,6 +179,15 @@ __device__ __forceinline__ void issue_group(float (&acc)[BM / 2], const uint32_t
     if (q <= j && leader) hopper::mbar_arrive(&empty[group_stage[q]]);
 }
 
+// This thread's 16 bytes of W and its two rows' scales (as half2 pairs) in stage `stage`.
+__device__ __forceinline__ void stage_words(const unsigned char* smem, int stage, int cw, int warp, int lane, int g,
+                                            uint4& wq, uint32_t& sr, uint32_t& sr8) {
+  const unsigned char* wst = smem + STAGES * STAGE_BYTES + stage * W_STAGE;
+  wq = reinterpret_cast<const uint4*>(wst + cw * W_CHUNK)[warp * 32 + lane];
+  const unsigned short* srow = reinterpret_cast<const unsigned short*>(wst + CWG * W_CHUNK + cw * S_CHUNK);
+  sr = (uint32_t)srow[16 * warp + g] * 0x10001u;
+  sr8 = (uint32_t)srow[16 * warp + g + 8] * 0x10001u;
+}
 // The shared-memory path (NQ_RS_WSMEM 1): per k-tile, wait for the stage, read this thread's 16
 // bytes of W and its two rows' scales from it, convert, and issue (KG k-tiles a group).
 // [rs-consumer]
@@ -195,10 +204,10 @@ __device__ __forceinline__ void consumer_smem(unsigned char* smem, uint64_t* ful
       const int kt = kb + j;
       if (kt >= KT) break;
       hopper::mbar_wait(&full[ring.stage], ring.phase);
-      const unsigned char* wst = smem + STAGES * STAGE_BYTES + ring.stage * W_STAGE;
-      const uint4 wq = reinterpret_cast<const uint4*>(wst + cw * W_CHUNK)[warp * 32 + lane];
-      const unsigned short* srow = reinterpret_cast<const unsigned short*>(wst + CWG * W_CHUNK + cw * S_CHUNK);
-      fragments(frag[j], wq, (uint32_t)srow[16 * warp + g] * 0x10001u, (uint32_t)srow[16 * warp + g + 8] * 0x10001u);
+      uint4 wq;
+      uint32_t sr, sr8;
+      stage_words(smem, ring.stage, cw, warp, lane, g, wq, sr, sr8);
+      fragments(frag[j], wq, sr, sr8);
       group_b[j] = base + ring.stage * STAGE_BYTES;
       group_stage[j] = ring.stage;
       ring.advance();
@@ -225,14 +234,6 @@ __device__ __forceinline__ void consumer_smem(unsigned char* smem, uint64_t* ful
 // kt - 1 is released once kt's last step is issued (all of kt - 1's groups are then done). A
 // register is never written while a wgmma that reads it may be in flight, which is what lets
 // ptxas keep the wgmmas asynchronous (no C7513).
-__device__ __forceinline__ void stage_words(const unsigned char* smem, int stage, int cw, int warp, int lane, int g,
-                                            uint4& wq, uint32_t& sr, uint32_t& sr8) {
-  const unsigned char* wst = smem + STAGES * STAGE_BYTES + stage * W_STAGE;
-  wq = reinterpret_cast<const uint4*>(wst + cw * W_CHUNK)[warp * 32 + lane];
-  const unsigned short* srow = reinterpret_cast<const unsigned short*>(wst + CWG * W_CHUNK + cw * S_CHUNK);
-  sr = (uint32_t)srow[16 * warp + g] * 0x10001u;
-  sr8 = (uint32_t)srow[16 * warp + g + 8] * 0x10001u;
-}
 __device__ __forceinline__ void consumer_smem_overlap(unsigned char* smem, uint64_t* full, uint64_t* empty, int cw,
                                                       int KT, float (&acc)[BM / 2]) {
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2;
