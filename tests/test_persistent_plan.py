@@ -18,7 +18,6 @@ from nanoqwen_lib.gpu import cuda_build, decode_contract, persistent
 from nanoqwen_lib.gpu.cuda_build import compile_cubin, sass
 from nanoqwen_lib.measure.timeline import KINDS
 
-SRC = cuda_build.kernel_source("decode_persistent")
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ROOT / "kernels" / "decode_contract.cuh"
 
@@ -69,7 +68,7 @@ def test_contract_header_holds_the_contract_modules_values():
 def test_kernels_include_the_contract_and_define_none_of_it(kernel):
     """The kernels that share the contract include the generated header and keep no copy of
     it: no enum or constant of its names, no numeric error code written to the scalars."""
-    src = cuda_build.kernel_source(kernel)
+    src = "\n".join(f.read_text() for f in cuda_build.kernel_files(kernel) if f != HEADER)   # the kernel and its headers
     assert '#include "decode_contract.cuh"' in src
     assert HEADER in cuda_build.kernel_files(kernel)
     for name in ("Tab", "LayerTab", "Kind", "Flags"):

@@ -15,7 +15,7 @@
 #   b-mma    the mma.sync prefill GEMM's epilogue rounds toward zero (prefill_gemm.cu store_tile)
 #   b-wgmma  the wgmma prefill GEMM's INT4 epilogue rounds toward zero (prefill_wgmma.cu)
 #   c        the persistent step drops one K slice of down (the last of NQ_PD_DOWN_KS, where the
-#            last unit of a tile set adds the slices: decode_persistent.cu)
+#            last unit of a tile set adds the slices: kernels/decode/gemv.cuh)
 set -u
 cd "$(dirname "$0")/.."
 
@@ -36,7 +36,7 @@ SED[b-wgmma]='s|^          \*dst = __floats2half2_rn(v0, v1);$|          *dst = 
 CHECK[b-wgmma]='FAULT b'
 TESTS[b-wgmma]="tests/test_gpu_prefill_wgmma.py::test_wgmma_int4_odd tests/test_gpu_prefill_wgmma.py::test_wgmma_int4_grid_exact[qkv-17]"
 
-FILE[c]=kernels/decode_persistent.cu
+FILE[c]=kernels/decode/gemv.cuh
 SED[c]='s|for (int s = 0; s < KS; ++s) v += __ldcg(ws + (size_t)s \* N + my_row);   // slice order|for (int s = 0; s < KS - (kind == K_DOWN ? 1 : 0); ++s) v += __ldcg(ws + (size_t)s * N + my_row);   // FAULT c|'
 CHECK[c]='FAULT c'
 TESTS[c]="tests/test_gpu_persistent.py::test_layer_ops_match_reference_tiny_split_down[0] tests/test_gpu_persistent.py::test_logits_match_reference_tiny_split_down tests/test_gpu_engine.py::test_decoder_layer_matches_reference_7b[persistent-27]"

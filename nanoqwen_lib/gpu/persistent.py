@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanoqwen_lib.config import ModelDims, load
+from nanoqwen_lib.config import CONFIG_PATH, ModelDims, load
 from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.format.layout import decode_gemv_shapes
 from nanoqwen_lib.format.stream_layout import BLOCK_BYTES, stream_bytes
-from nanoqwen_lib.gpu import decode_contract
+from nanoqwen_lib.gpu import decode_contract, decode_knobs
 
 KERNEL = "decode_persistent"
 TUNING = load().tuning[KERNEL].defines
@@ -169,6 +169,8 @@ class PersistentStep:
             raise LimitError(f"kernels/{KERNEL}.cu", "grid (CTAs of the persistent step)",
                              f">= num_kv_heads = {dims.num_kv_heads}", self.grid)
         self.extra = dict(defines or {})               # the knobs this build overrides (a diagnostic build keeps them)
+        decode_knobs.check(TUNING, CONFIG_PATH, "tuning.decode_persistent.defines.")   # each knob in its
+        decode_knobs.check(self.extra, None, "PersistentStep(defines=): ")             # range, before NVRTC
         # ... a split among them (NQ_PD_<M>_{TG,KS}, a lab variant) replaces the plan's, so that
         # the workspaces and the shared memory are sized for the split the kernel runs
         self.plan = persistent_plan(dims, self.grid, defines=self.extra)

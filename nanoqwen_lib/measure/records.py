@@ -43,8 +43,10 @@ _GRAPH_STEP = ["kernels/decode_contract.cuh", "nanoqwen_lib/gpu/decode_contract.
                "kernels/engine_step.cu", "nanoqwen_lib/gpu/engine.py", "nanoqwen_lib/gpu/layer.py",
                "nanoqwen_lib/gpu/ops_decode.py", "nanoqwen_lib/gpu/ops_gemv.py",
                "nanoqwen_lib/gpu/ops_attention.py", "nanoqwen_lib/gpu/projection.py"]
-PERSISTENT = ["kernels/decode_persistent.cu", "kernels/stream3.cuh", "kernels/decode_contract.cuh",
-              "nanoqwen_lib/gpu/decode_contract.py", "nanoqwen_lib/gpu/persistent.py"]
+PERSISTENT = ["kernels/decode_persistent.cu"] + [f"kernels/decode/{h}.cuh" for h in (
+    "config", "layout", "sched", "rows", "units", "loader", "gemv", "attention", "lm_head")] + [
+    "kernels/stream3.cuh", "kernels/decode_contract.cuh", "nanoqwen_lib/gpu/decode_contract.py",
+    "nanoqwen_lib/gpu/decode_knobs.py", "nanoqwen_lib/gpu/persistent.py"]
 # ops_prefill's front door and the launchers of its three kernel files (one module each)
 _OPS_PREFILL = ["nanoqwen_lib/gpu/ops_prefill.py", "nanoqwen_lib/gpu/ops_prefill_mma.py",
                 "nanoqwen_lib/gpu/ops_prefill_wgmma.py", "nanoqwen_lib/gpu/ops_prefill_attention.py"]

@@ -1,0 +1,124 @@
+"""The persistent decode step's compile-time knobs, each described once: its -D name, the typed
+field of `pd::Config` the kernel reads it as, the values it may take, its role and what it
+does. nanoqwen.yaml `tuning.decode_persistent.defines` holds the values (one source); this
+table holds the meaning. tools/gen_decode_contract.py writes kernels/decode/config.cuh from it
+(struct Config, the constant kCfg built from the -D values, a static_assert per range); a CPU
+test checks that the committed header is the generator's output and that the yaml sets exactly
+these knobs, each within its range. `check` refuses a bad value by name before NVRTC runs.
+
+Roles: "tuned", chosen by a measurement (PERFLOG) and part of the default build; "lab", a
+variant the bench builds (tools/bench_persistent.py --variants), off by default; "diagnostic",
+a build that measures rather than decodes (timeline, probes, skipped instructions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoqwen_lib.errors import ConfigError
+
+KINDS_GEMV = {"qkv": 1, "o_proj": 3, "gate_up": 4, "down": 5}    # decode_contract.KINDS' indices
+KINDS_LAYER = {"qkv": 1, "attention": 2, "o_proj": 3, "gate_up": 4, "down": 5}
+
+
+@dataclass(frozen=True)
+class Knob:
+    define: str          # the -D name (nanoqwen.yaml)
+    field: str           # pd::Config's member
+    ctype: str           # "bool", "int" or "mask" (bits 1 << kind, `allowed` the kinds it may name)
+    lo: int              # int: lo..hi; bool: 0..1; mask: 0..(all allowed bits)
+    hi: int
+    role: str            # "tuned", "lab" or "diagnostic"
+    doc: str
+
+    def bad(self, value) -> str | None:
+        """What is wrong with `value` for this knob (None: nothing)."""
+        if type(value) is not int:
+            return f"an integer, found {value!r}"
+        if self.ctype == "mask":
+            if value & ~self.hi or value < 0:
+                return f"bits of {self.hi:#x} (1 << kind), found {value:#x}"
+            return None
+        if not self.lo <= value <= self.hi:
+            return f"{self.lo}..{self.hi}, found {value}"
+        return None
+
+
+def _mask(kinds: dict) -> int:
+    return sum(1 << k for k in kinds.values())
+
+
+KNOBS = (
+    Knob("NQ_PD_WARPS", "warps", "int", 4, 32, "tuned",
+         "consumer warps a CTA (one CTA per SM)"),
+    Knob("NQ_PD_RING", "ring", "int", 1, 8, "tuned",
+         "layout-3 blocks in flight per warp (its ring)"),
+    Knob("NQ_PD_SMEM_RING", "smem_ring", "bool", 0, 1, "lab",
+         "the ring in shared memory, filled by cp.async (1), or in registers (0)"),
+    Knob("NQ_PD_SMEM_PAD_KB", "smem_pad_kb", "int", 0, 227, "lab",
+         "shared memory reserved and unused, KiB: what taking it from L1 costs"),
+    Knob("NQ_PD_FENCE", "fence", "int", 0, 2, "tuned",
+         "the counters' ordering [pd-fence]: 0 fence.sc, 1 fence.acq_rel, 2 release/acquire operations"),
+    Knob("NQ_PD_ATTN_PRE", "attn_pre", "int", 1, 8, "tuned",
+         "K/V rows a warp loads before attention's wait"),
+    Knob("NQ_PD_ATTN_MERGE", "attn_merge", "bool", 0, 1, "tuned",
+         "who merges a KV head's splits: every split a slice (1) or the last split to arrive all (0)"),
+    Knob("NQ_PD_ATTN_LANES", "attn_lanes", "int", 0, 3, "tuned",
+         "a split of at most 32 tokens as a lane per token (1; 2 and 3 its arithmetic unrolled, lab) "
+         "or a warp per token (0)"),
+    Knob("NQ_PD_DOWN_DEFER", "down_defer", "bool", 0, 1, "lab",
+         "down's K slices added by the next qkv and o_proj (1) or folded by down (0) [pd-down-defer]"),
+    Knob("NQ_PD_QKV_PREFETCH", "qkv_prefetch", "int", 0, 3, "tuned",
+         "when down prefetches the next qkv share into L2: 1 at its start, 2 after its wait, "
+         "3 after its stream, 0 never"),
+    Knob("NQ_PD_LATE_RING", "late_ring", "mask", 0, _mask(KINDS_GEMV), "lab",
+         "the GEMVs that ask for their ring only after their wait (0: all before)"),
+    Knob("NQ_PD_QKV_LL", "qkv_ll", "bool", 0, 1, "lab",
+         "attention polls q, k, v tagged with the layer instead of waiting on qkv's counter [pd-qkv-ll]"),
+    Knob("NQ_PD_SKIP", "skip", "mask", 0, _mask(KINDS_LAYER), "diagnostic",
+         "layer instructions reduced to their place in the schedule (the token's values are "
+         "meaningless) [pd-skip]"),
+    Knob("NQ_PD_HEAD_BLOCKS", "head_blocks", "int", 0, 32, "lab",
+         "gate_up's and down's last blocks a warp, bulk-copied into shared memory before their wait [pd-head]"),
+    Knob("NQ_PD_LOADER", "loader", "int", 0, 32, "lab",
+         "a loader warp that copies every GEMV block into per-warp rings of this many pages, across "
+         "instruction boundaries (0: off, every warp loads its own) [pd-loader]"),
+    Knob("NQ_PD_LOADER_PAGE", "loader_page", "int", 1, 16, "lab",
+         "layout-3 blocks a loader page"),
+    Knob("NQ_PD_ATTN_PREFETCH", "attn_prefetch", "bool", 0, 1, "tuned",
+         "o_proj's share prefetched into L2 during attention"),
+    Knob("NQ_PD_SELF_PREFETCH", "self_prefetch", "int", 0, 32, "lab",
+         "gate_up's and down's own blocks a warp prefetched into L2 before their wait, past the ring"),
+    Knob("NQ_PD_NORM_1PASS", "norm_1pass", "bool", 0, 1, "tuned",
+         "the rmsnorm staging in one pass over x (1) or two"),
+    Knob("NQ_PD_EARLY_BLOCKS", "early_blocks", "int", 0, 32, "lab",
+         "gate_up blocks a warp prefetched into L2 during attention"),
+    Knob("NQ_PD_FOLD", "fold", "bool", 0, 1, "tuned",
+         "the fold unpack of layout 3 (stream3.cuh)"),
+    Knob("NQ_PD_KMAX", "kmax", "int", 1, 16, "tuned",
+         "tiles a warp's block range may touch (the plan keeps every warp within it)"),
+    Knob("NQ_PD_PREFETCH_KB", "prefetch_kb", "int", 0, 1 << 20, "tuned",
+         "lm_head's L2 prefetch of its rows at its start, KiB"),
+    Knob("NQ_PD_ATTN_SPLITS", "attn_splits", "int", 1, 32, "tuned",
+         "attention splits a KV head at most"),
+    Knob("NQ_PD_ATTN_MIN_TOKENS", "attn_min_tokens", "int", 1, 1 << 20, "tuned",
+         "tokens a split at least"),
+    Knob("NQ_PD_TIMELINE", "timeline", "bool", 0, 1, "diagnostic",
+         "each CTA records (code, begin, ready, end) of every instruction in %globaltimer ns"),
+    Knob("NQ_PD_TIMEOUT_MS", "timeout_ms", "int", 1, 600_000, "tuned",
+         "a wait's timeout, ms: past it the step sets kErrTimeout and gives up instead of hanging"),
+    Knob("NQ_PD_PROBE", "probe", "int", 0, 1 << 16, "diagnostic",
+         "the layer whose qkv and attention stamp their steps (0: none)"),
+)
+BY_DEFINE = {k.define: k for k in KNOBS}
+# The GEMV split the planner computes for the grid (gpu.persistent.persistent_plan), not the yaml.
+PLANNED = tuple(f"NQ_PD_{m}_{p}" for m in ("QKV", "O", "GU", "DOWN") for p in ("TG", "KS"))
+
+
+def check(defines: dict, source, field: str = "") -> None:
+    """Every persistent-step knob in `defines` within its range (ConfigError naming the knob,
+    what it may be and what it is; `source` says where the values came from, `field` the path
+    to them in it)."""
+    for name, value in defines.items():
+        knob = BY_DEFINE.get(name)
+        if knob is not None and (why := knob.bad(value)) is not None:
+            raise ConfigError(source, f"{field}{name}", f"{why.split(', found')[0]} ({knob.doc})", value)
