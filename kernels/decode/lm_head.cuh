@@ -6,7 +6,6 @@
 
 namespace pd {
 
-// ---- head: final norm, lm_head, argmax, bookkeeping ---------------------------------------
 __device__ void head(Ctx& c, int idx, int num_layers, unsigned char* smem, float* red) {
   begin_instruction(c);
   const half* W = ptr<const half>(c.tab, T_LM_HEAD);
