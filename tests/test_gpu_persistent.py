@@ -199,18 +199,21 @@ def test_head_blocks_from_shared_memory_give_the_same_bits():
         assert eng.pd.smem > 0 and t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32)), h
 
 
-@pytest.mark.parametrize("warps,slots,page", [(15, 8, 1), (15, 2, 1), (16, 3, 1), (15, 2, 3), (15, 2, 5)])
-def test_loader_warp_gives_the_same_bits(warps, slots, page):
+@pytest.mark.parametrize("warps,slots,page,l2", [(15, 8, 1, 0), (15, 2, 1, 0), (16, 3, 1, 0), (15, 2, 3, 0),
+                                                 (15, 2, 5, 0), (15, 5, 2, 1)])
+def test_loader_warp_gives_the_same_bits(warps, slots, page, l2):
     """[pd-loader]: the blocks copied by the loader warp into each consumer warp's ring, across
     instruction and layer boundaries, multiplied in the same order as from the register ring:
     bitwise the logits of the build without the loader (same warps, same plan) at every step.
     Two pages a warp wrap each ring many times a layer (every phase of both barriers used);
-    pages of several blocks end mid-page at a range's end and split where a tile ends."""
+    pages of several blocks end mid-page at a range's end and split where a tile ends; l2 keeps
+    the L2 prefetches a layer ahead (NQ_PD_LOADER_L2), which change no value."""
     f, eng = _tiny_engine()
     prompt = prompt_ids(np.random.default_rng(19), 29)
     t0, l0 = _decode_bits(eng, {"NQ_PD_WARPS": warps}, prompt)
     assert np.isfinite(l0).all()
-    t, l = _decode_bits(eng, {"NQ_PD_WARPS": warps, "NQ_PD_LOADER": slots, "NQ_PD_LOADER_PAGE": page}, prompt)
+    t, l = _decode_bits(eng, {"NQ_PD_WARPS": warps, "NQ_PD_LOADER": slots, "NQ_PD_LOADER_PAGE": page,
+                              "NQ_PD_LOADER_L2": l2}, prompt)
     assert eng.pd.threads == 32 * (warps + 1)
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 

@@ -219,6 +219,16 @@ def test_loader_build_syncs_only_its_consumers():
     assert "UBLKCP" not in sass("decode_persistent", dims)   # the default build: no loader, no bulk copies
 
 
+def test_loader_l2_keeps_the_default_builds_prefetches():
+    """NQ_PD_LOADER_L2: the loader build with the L2 prefetches a layer ahead has the default
+    build's cp.async.bulk.prefetch.L2 sites (UBLKPF), the loader build without it fewer."""
+    dims = load().models["tiny"]
+    ex = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 3, "NQ_PD_LOADER_PAGE": 3}
+    count = lambda d: sass("decode_persistent", dims, dict(persistent_plan(dims, defines=d), **d)).count("UBLKPF")
+    default, loader, loader_l2 = count({}), count(ex), count(dict(ex, NQ_PD_LOADER_L2=1))
+    assert loader_l2 == default > loader, (default, loader, loader_l2)
+
+
 def test_a_ring_past_the_opt_in_is_refused_by_name():
     """15 consumer warps' rings of 3 pages of 5 blocks (237600 bytes past the staging) do not fit
     the 227 KiB a CTA may opt into: a LimitError that names the knobs and both sizes, raised

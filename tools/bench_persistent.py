@@ -72,6 +72,7 @@ LOADER = ";".join([                                      # [pd-loader]: a loader
     "NQ_PD_WARPS=15,NQ_PD_LOADER=10",                   # pages of one block
     "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2", "NQ_PD_WARPS=15,NQ_PD_LOADER=3,NQ_PD_LOADER_PAGE=3",
     "NQ_PD_WARPS=15,NQ_PD_LOADER=2,NQ_PD_LOADER_PAGE=5",
+    "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1",   # ... its copies reading L2
     "", "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2",
 ])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER}

@@ -84,6 +84,9 @@ KNOBS = (
          "instruction boundaries (0: off, every warp loads its own) [pd-loader]"),
     Knob("NQ_PD_LOADER_PAGE", "loader_page", "int", 1, 16, "lab",
          "layout-3 blocks a loader page"),
+    Knob("NQ_PD_LOADER_L2", "loader_l2", "bool", 0, 1, "lab",
+         "with the loader, keep the L2 prefetches a layer ahead (o_proj's share during attention, "
+         "the next qkv's during down), so that its copies read L2 [pd-loader]"),
     Knob("NQ_PD_ATTN_PREFETCH", "attn_prefetch", "bool", 0, 1, "tuned",
          "o_proj's share prefetched into L2 during attention"),
     Knob("NQ_PD_SELF_PREFETCH", "self_prefetch", "int", 0, 32, "lab",
