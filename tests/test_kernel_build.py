@@ -23,18 +23,7 @@ ALL = KERNELS + LAB
 HOT = re.compile(r"^nq_(gemv|lm_head)")
 
 
-def variants(name: str) -> list[dict]:
-    """The extra-define sets named on the file's `// nq-variants:` line (may be none)."""
-    for line in cuda_build.kernel_source(name).splitlines():
-        m = re.match(r"\s*//\s*nq-variants:(.*)$", line)
-        if m:
-            out = []
-            for item in m.group(1).split(";"):
-                pairs = [p.strip() for p in item.split(",") if p.strip()]
-                if pairs:
-                    out.append(dict(p.split("=", 1) for p in pairs))
-            return out
-    return []
+variants = cuda_build.kernel_variants     # the extra-define sets of the file's `// nq-variants:` line
 
 
 def entries(log: str) -> dict[str, dict]:

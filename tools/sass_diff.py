@@ -2,7 +2,8 @@
 kernel in each kernels/*.cu that differs from REV (or includes a header that does), built
 for sm_90 exactly as the runtime builds it, for the configurations the 7B engine launches.
 
-    python tools/sass_diff.py REV
+    python tools/sass_diff.py REV              # the configurations the 7B engine launches
+    python tools/sass_diff.py --variants REV   # ... and every lab build on a kernel's variants line
 
 Label numbers and internal call names are normalized (they shift when other kernels are
 added to a module). Exit status 0 when every compared kernel is identical, 1 otherwise.
@@ -22,12 +23,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def configs(module: str) -> list[dict]:
+def configs(module: str, variants: bool = False) -> list[dict]:
     """The -D sets the 7B engine builds a module with, spelled out in full (this tree's
     nanoqwen.yaml `tuning:`, so that a REV whose kernels held #ifndef defaults builds the same
     configuration): every module's knobs at their defaults, and for the INT4 GEMV every
-    tuned-table entry and the fallback; the prefill GEMM at both tile heights it launches."""
+    tuned-table entry and the fallback; the prefill GEMM at both tile heights it launches.
+    With variants, also each set on the module's variants line over the defaults (a knob REV
+    does not know reaches its build as a define it never reads)."""
     from nanoqwen_lib import config
+    from nanoqwen_lib.gpu import cuda_build
     base = config.tuning_defines()
     tuning = config.load().tuning
     if module == "gemv_int4":
@@ -38,6 +42,8 @@ def configs(module: str) -> list[dict]:
         out = [{**base, "NQ_PG_BM": bm} for bm in ops_prefill.GEMM_BM_CHOICES]
     else:
         out = [base]
+    if variants:
+        out += [{**base, **{k: int(v) for k, v in s.items()}} for s in cuda_build.kernel_variants(module)]
     return [dict(t) for t in {tuple(sorted(c.items())) for c in out}]
 
 
@@ -64,20 +70,21 @@ def main() -> int:
         args = json.loads(Path(sys.argv[2]).read_text())
         Path(sys.argv[3]).write_text(json.dumps(dump(args["modules"], args["configs"])))
         return 0
-    rev = sys.argv[1]
+    with_variants = "--variants" in sys.argv[1:]
+    rev = [a for a in sys.argv[1:] if a != "--variants"][0]
     changed = subprocess.run(["git", "diff", "--name-only", rev, "--", "kernels"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.split()
-    headers = {Path(p).name for p in changed if p.endswith(".cuh")}
+    sys.path.insert(0, str(ROOT))
+    from nanoqwen_lib.gpu import cuda_build
+    changed_paths = {(ROOT / p).resolve() for p in changed}
     # the engine's kernel files only (kernels/*.cu; the lab's kernels/lab/ is not run by an engine)
-    modules = sorted({Path(p).stem for p in changed if p.endswith(".cu") and Path(p).parent.name == "kernels"
-                      and (ROOT / p).exists()}
-                     | {f.stem for f in (ROOT / "kernels").glob("*.cu")
-                        if any(f'"{h}"' in f.read_text() for h in headers)})
+    # whose file, or a kernels/ header it includes (directly or not), differs from REV
+    modules = sorted(f.stem for f in (ROOT / "kernels").glob("*.cu")
+                     if {p.resolve() for p in cuda_build.kernel_files(f.stem)} & changed_paths)
     if not modules:
         print(f"no kernel source differs from {rev}")
         return 0
-    sys.path.insert(0, str(ROOT))
-    cfgs = {m: configs(m) for m in modules}
+    cfgs = {m: configs(m, with_variants) for m in modules}
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "rev"
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree), rev], cwd=ROOT, check=True)

@@ -64,6 +64,23 @@ def header_line(name: str, tag: str, lines: int = 60) -> str | None:
     return None
 
 
+def kernel_variants(name: str) -> list[dict]:
+    """The extra-define sets named on kernels/<name>.cu's `// nq-variants: A=1[,B=2]; C=3` line
+    (none without one): the lab builds CI compiles beside the default, and tools/sass_diff.py
+    --variants compares."""
+    import re
+    for line in kernel_source(name).splitlines():
+        m = re.match(r"\s*//\s*nq-variants:(.*)$", line)
+        if m:
+            out = []
+            for item in m.group(1).split(";"):
+                pairs = [p.strip() for p in item.split(",") if p.strip()]
+                if pairs:
+                    out.append(dict(p.split("=", 1) for p in pairs))
+            return out
+    return []
+
+
 def kernel_arch(name: str) -> str:
     """The target of kernels/<name>.cu: ARCH, or what its `// nq-arch: sm_90a` line names
     (wgmma and setmaxnreg exist only on the architecture-specific sm_90a target)."""
