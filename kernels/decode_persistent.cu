@@ -58,6 +58,12 @@
 #include "decode/attention.cuh"   // the attention instruction
 #include "decode/lm_head.cuh"     // the head instruction
 
+// What the host must launch this build with, as the build computes it: the dynamic shared
+// memory and the block. Read from the CUBIN on the CPU (cuda_build.elf_constant), where a test
+// holds gpu.persistent's smem_bytes and threads to them for every build it compiles.
+extern "C" __device__ const int nq_pd_smem_bytes = pd::kSmemBytes;
+extern "C" __device__ const int nq_pd_block_threads = pd::kBlockThreads;
+
 // [pd-entry]
 // tab: int64 [32 + 16 * num_layers] (persistent.py); layers [first_layer, last_layer) run;
 // flags: F_BEGIN (bookkeeping + embed first), F_HEAD (lm_head + argmax + bookkeeping last);

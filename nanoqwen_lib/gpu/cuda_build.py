@@ -240,6 +240,25 @@ def _whole_elf(cubin: bytes) -> bytes:
     return cubin + b"\0" * max(0, need - len(cubin))
 
 
+def elf_constant(cubin: bytes, symbol: str) -> int:
+    """The int32 value of an initialized `extern "C" __device__ const int` in a CUBIN (its
+    symbol's bytes in .nv.global.init), read without a GPU; a KeyError names a missing one."""
+    elf = _whole_elf(cubin)
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    for sh_type, off, size, link in ((s[1], s[4], s[5], s[6]) for s in secs):
+        if sh_type != 2:                                # SHT_SYMTAB
+            continue
+        names = secs[link][4]
+        for j in range(size // 24):                     # Elf64_Sym
+            st_name, _, _, shndx, value, nbytes = struct.unpack_from("<IBBHQQ", elf, off + 24 * j)
+            end = elf.index(b"\0", names + st_name)
+            if elf[names + st_name:end].decode() == symbol and nbytes == 4 and shndx < len(secs):
+                return struct.unpack_from("<i", elf, secs[shndx][4] + value)[0]
+    raise KeyError(f"{symbol}: no initialized 4-byte symbol of that name in the CUBIN")
+
+
 def nvdisasm_path() -> str | None:
     """nvdisasm: $NVDISASM, PATH, the PyPI wheel `nvidia-cuda-nvdisasm` (the cuda13 extra
     installs it), or a CUDA toolkit."""

@@ -120,7 +120,9 @@ def smem_bytes(dims: ModelDims, plan: dict, defines: dict | None = None) -> int:
     warps' head blocks past the largest GEMV staging), then, with NQ_PD_SMEM_RING, every warp's
     ring of NQ_PD_RING layout-3 blocks, then with NQ_PD_LOADER ([pd-loader]) every consumer
     warp's ring of NQ_PD_LOADER pages of NQ_PD_LOADER_PAGE blocks the loader warp fills, then NQ_PD_SMEM_PAD_KB reserved
-    (a lab variant). The kernel refuses a launch with less (scalars[error] = 4)."""
+    (a lab variant). The kernel refuses a launch with less (scalars[error] = 4). The kernel
+    exports its own figure (nq_pd_smem_bytes); tests/test_persistent_plan.py holds this one to
+    it, build by build, on the CPU."""
     t = dict(TUNING, **(defines or {}))
     gqa = dims.num_heads // dims.num_kv_heads
     group, xgroup = load().format.group_size, 2 * load().geometry["gemv_int4"]["NQ_GEMV_X_GROUP_HALVES"]
