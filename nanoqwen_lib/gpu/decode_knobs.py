@@ -12,6 +12,7 @@ a build that measures rather than decodes (timeline, probes, skipped instruction
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from nanoqwen_lib.errors import ConfigError
@@ -32,7 +33,7 @@ class Knob:
 
     def bad(self, value) -> str | None:
         """What is wrong with `value` for this knob (None: nothing)."""
-        if type(value) is not int:
+        if not isinstance(value, numbers.Integral):       # int, numpy's integers
             return f"an integer, found {value!r}"
         if self.ctype == "mask":
             if value & ~self.hi or value < 0:
@@ -124,4 +125,5 @@ def check(defines: dict, source, field: str = "") -> None:
     for name, value in defines.items():
         knob = BY_DEFINE.get(name)
         if knob is not None and (why := knob.bad(value)) is not None:
-            raise ConfigError(source, f"{field}{name}", f"{why.split(', found')[0]} ({knob.doc})", value)
+            raise ConfigError(source, f"{field}{name}", f"{why.split(', found')[0]} ({knob.doc})",
+                              value if isinstance(value, numbers.Integral) else repr(value))
