@@ -19,6 +19,8 @@ constexpr int kLoaderSlots = kCfg.loader;
 constexpr bool kLoader = kLoaderSlots > 0;
 constexpr int kBlockThreads = kThreads + (kLoader ? 32 : 0);   // the launch's block
 static_assert(!kCfg.loader_l2 || kLoader, "NQ_PD_LOADER_L2 keeps the loader's L2 prefetches: only with NQ_PD_LOADER");
+// [pd-prefetch]'s L2 prefetches a layer ahead: without the loader, or with it and NQ_PD_LOADER_L2
+constexpr bool kL2Ahead = !kLoader || kCfg.loader_l2;
 static_assert(!kLoader || kRing >= 2, "[pd-loader]: the consumer takes a block ahead into a second register slot");
 static_assert(!kLoader || (!kSmemRing && kHead == 0),
               "NQ_PD_LOADER replaces the register ring's loads: not with NQ_PD_SMEM_RING or NQ_PD_HEAD_BLOCKS");

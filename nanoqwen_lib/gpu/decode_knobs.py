@@ -16,36 +16,35 @@ import numbers
 from dataclasses import dataclass
 
 from nanoqwen_lib.errors import ConfigError
+from nanoqwen_lib.gpu.decode_contract import KINDS
 
-KINDS_GEMV = {"qkv": 1, "o_proj": 3, "gate_up": 4, "down": 5}    # decode_contract.KINDS' indices
-KINDS_LAYER = {"qkv": 1, "attention": 2, "o_proj": 3, "gate_up": 4, "down": 5}
+
+def _mask(*kinds: str) -> int:
+    """Bits 1 << kind of the named instruction kinds (decode_contract.KINDS, the kernel's enum Kind)."""
+    return sum(1 << KINDS.index(k) for k in kinds)
+
+
+GEMV_KINDS = _mask("QKV", "O", "GATE_UP", "DOWN")          # what NQ_PD_LATE_RING may name
+LAYER_KINDS = GEMV_KINDS | _mask("ATTN")                   # ... and NQ_PD_SKIP
 
 
 @dataclass(frozen=True)
 class Knob:
     define: str          # the -D name (nanoqwen.yaml)
     field: str           # pd::Config's member
-    ctype: str           # "bool", "int" or "mask" (bits 1 << kind, `allowed` the kinds it may name)
-    lo: int              # int: lo..hi; bool: 0..1; mask: 0..(all allowed bits)
+    ctype: str           # "bool", "int" or "mask" (bits 1 << kind)
+    lo: int              # int: lo..hi; bool: 0..1; mask: 0, and hi the bits it may set
     hi: int
     role: str            # "tuned", "lab" or "diagnostic"
     doc: str
 
-    def bad(self, value) -> str | None:
-        """What is wrong with `value` for this knob (None: nothing)."""
+    def allows(self, value) -> bool:
         if not isinstance(value, numbers.Integral):       # int, numpy's integers
-            return f"an integer, found {value!r}"
-        if self.ctype == "mask":
-            if value & ~self.hi or value < 0:
-                return f"bits of {self.hi:#x} (1 << kind), found {value:#x}"
-            return None
-        if not self.lo <= value <= self.hi:
-            return f"{self.lo}..{self.hi}, found {value}"
-        return None
+            return False
+        return value >= 0 and not value & ~self.hi if self.ctype == "mask" else self.lo <= value <= self.hi
 
-
-def _mask(kinds: dict) -> int:
-    return sum(1 << k for k in kinds.values())
+    def expected(self) -> str:
+        return f"bits of {self.hi:#x} (1 << kind)" if self.ctype == "mask" else f"{self.lo}..{self.hi}"
 
 
 KNOBS = (
@@ -71,11 +70,11 @@ KNOBS = (
     Knob("NQ_PD_QKV_PREFETCH", "qkv_prefetch", "int", 0, 3, "tuned",
          "when down prefetches the next qkv share into L2: 1 at its start, 2 after its wait, "
          "3 after its stream, 0 never"),
-    Knob("NQ_PD_LATE_RING", "late_ring", "mask", 0, _mask(KINDS_GEMV), "lab",
+    Knob("NQ_PD_LATE_RING", "late_ring", "mask", 0, GEMV_KINDS, "lab",
          "the GEMVs that ask for their ring only after their wait (0: all before)"),
     Knob("NQ_PD_QKV_LL", "qkv_ll", "bool", 0, 1, "lab",
          "attention polls q, k, v tagged with the layer instead of waiting on qkv's counter [pd-qkv-ll]"),
-    Knob("NQ_PD_SKIP", "skip", "mask", 0, _mask(KINDS_LAYER), "diagnostic",
+    Knob("NQ_PD_SKIP", "skip", "mask", 0, LAYER_KINDS, "diagnostic",
          "layer instructions reduced to their place in the schedule (the token's values are "
          "meaningless) [pd-skip]"),
     Knob("NQ_PD_HEAD_BLOCKS", "head_blocks", "int", 0, 32, "lab",
@@ -124,6 +123,6 @@ def check(defines: dict, source, field: str = "") -> None:
     to them in it)."""
     for name, value in defines.items():
         knob = BY_DEFINE.get(name)
-        if knob is not None and (why := knob.bad(value)) is not None:
-            raise ConfigError(source, f"{field}{name}", f"{why.split(', found')[0]} ({knob.doc})",
+        if knob is not None and not knob.allows(value):
+            raise ConfigError(source, f"{field}{name}", f"an integer {knob.expected()} ({knob.doc})",
                               value if isinstance(value, numbers.Integral) else repr(value))

@@ -21,6 +21,7 @@ from nanoqwen_lib.gpu import decode_contract, decode_knobs
 
 KERNEL = "decode_persistent"
 TUNING = load().tuning[KERNEL].defines
+decode_knobs.check(TUNING, CONFIG_PATH, "tuning.decode_persistent.defines.")   # each knob in its range
 # The pointer table's order, layer rows, launch flags and error codes: the contract module
 # (gpu.decode_contract), which kernels/decode_contract.cuh is generated from.
 TAB_GLOBALS, TAB_LAYER = decode_contract.TAB_GLOBALS, decode_contract.TAB_LAYER
@@ -171,8 +172,7 @@ class PersistentStep:
             raise LimitError(f"kernels/{KERNEL}.cu", "grid (CTAs of the persistent step)",
                              f">= num_kv_heads = {dims.num_kv_heads}", self.grid)
         self.extra = dict(defines or {})               # the knobs this build overrides (a diagnostic build keeps them)
-        decode_knobs.check(TUNING, CONFIG_PATH, "tuning.decode_persistent.defines.")   # each knob in its
-        decode_knobs.check(self.extra, None, "PersistentStep(defines=): ")             # range, before NVRTC
+        decode_knobs.check(self.extra, None, "PersistentStep(defines=): ")   # each in its range, before NVRTC
         # ... a split among them (NQ_PD_<M>_{TG,KS}, a lab variant) replaces the plan's, so that
         # the workspaces and the shared memory are sized for the split the kernel runs
         self.plan = persistent_plan(dims, self.grid, defines=self.extra)

@@ -43,8 +43,7 @@ _GRAPH_STEP = ["kernels/decode_contract.cuh", "nanoqwen_lib/gpu/decode_contract.
                "kernels/engine_step.cu", "nanoqwen_lib/gpu/engine.py", "nanoqwen_lib/gpu/layer.py",
                "nanoqwen_lib/gpu/ops_decode.py", "nanoqwen_lib/gpu/ops_gemv.py",
                "nanoqwen_lib/gpu/ops_attention.py", "nanoqwen_lib/gpu/projection.py"]
-PERSISTENT = ["kernels/decode_persistent.cu"] + [f"kernels/decode/{h}.cuh" for h in (
-    "config", "layout", "sched", "rows", "units", "loader", "gemv", "attention", "lm_head")] + [
+PERSISTENT = ["kernels/decode_persistent.cu", "kernels/decode",      # the entry and its pieces
     "kernels/stream3.cuh", "kernels/decode_contract.cuh", "nanoqwen_lib/gpu/decode_contract.py",
     "nanoqwen_lib/gpu/decode_knobs.py", "nanoqwen_lib/gpu/persistent.py"]
 # ops_prefill's front door and the launchers of its three kernel files (one module each)
