@@ -9,6 +9,7 @@ import numpy as np
 
 from nanoqwen_lib.gpu import ops_attention, ops_decode, ops_prefill
 from nanoqwen_lib.config import load
+from nanoqwen_lib.gpu.decode_step import KernelPerOpStep
 from nanoqwen_lib.gpu.engine import GpuBackend, plan_arena
 from nanoqwen_lib.gpu.projection import projections_for
 
@@ -46,4 +47,5 @@ def stand_in_engine(dims_name: str, max_tokens: int, encoding: str = "int4", pre
     eng.ops, eng.attn, eng.pf = ops_decode, ops_attention, ops_prefill
     eng.kv = eng.arena["kv"]
     eng.scalar = {}
+    eng.step = KernelPerOpStep(eng)             # the kernel-per-op step (the persistent one needs a GPU)
     return eng

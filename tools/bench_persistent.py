@@ -12,7 +12,8 @@ The default variants are the ones PERFLOG.md's latest persistent rows were measu
 the request placements and the LL polling, `--variants bounds` the diagnostic builds that
 skip instructions (their tokens are meaningless; their time is what the rest costs alone),
 `--variants head` the shared-memory heads of gate_up and down, `--variants loader` the loader
-warp ([pd-loader]) at several ring depths.
+warp ([pd-loader]) at several ring depths, `--variants loader-bounds` the bounds' builds of the
+default and of chapter 10's loader build (gpu.decode_knobs.LOADER) in one run.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanoqwen_lib.gpu import decode_knobs  # noqa: E402 (after the path)
 
 V7 = "NQ_PD_ATTN_MERGE=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32"   # v7's attention and norm
 S32 = "NQ_PD_ATTN_SPLITS=32,NQ_PD_ATTN_MIN_TOKENS=16"
@@ -75,7 +77,11 @@ LOADER = ";".join([                                      # [pd-loader]: a loader
     "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1",   # ... its copies reading L2
     "", "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2",
 ])
-SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER}
+LOADER_BUILD = ",".join(f"{k}={v}" for k, v in decode_knobs.LOADER.items())   # chapter 10's loader build
+LOADER_BOUNDS = ";".join(                                 # the decomposition of v10 and of the loader build, one run
+    BOUNDS.split(";")[:-1] + [",".join(x for x in (LOADER_BUILD, v) if x) for v in BOUNDS.split(";")[:-1]])
+SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
+        "loader-bounds": LOADER_BOUNDS}
 
 
 def parse(spec: str) -> list[dict]:

@@ -90,6 +90,7 @@ __device__ __forceinline__ void issue_page(Cursor& q, const Ctx& c, int wl) {
   q.left -= nb;
   ++q.n;
 }
+// [pd-loader-walk]
 // The loader warp's whole launch: the GEMV instructions of layers [first_layer, last_layer) in
 // the consumers' order (a skipped instruction, [pd-skip], has no blocks); lane w < kWarps
 // serves consumer warp w.
@@ -115,6 +116,7 @@ __device__ void loader(const Ctx& c, int first_layer, int last_layer) {
     else if ((++idle & 63) == 63 && __any_sync(0xffffffffu, timed_out(err, t0))) return;   // (warp-uniform)
   }
 }
+// [/pd-loader-walk]
 // A consumer warp, all lanes: block j of its range (b - b0) from its ring into registers. At a
 // page's first block, wait for the page; after its last (or the range's last), give it back
 // (lane 0 arrives once every lane has read it).

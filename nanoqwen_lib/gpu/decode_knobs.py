@@ -126,3 +126,11 @@ def check(defines: dict, source, field: str = "") -> None:
         if knob is not None and not knob.allows(value):
             raise ConfigError(source, f"{field}{name}", f"an integer {knob.expected()} ({knob.doc})",
                               value if isinstance(value, numbers.Integral) else repr(value))
+
+
+# The loader builds ([pd-loader]) chapter 10 measures beside the default, and the bench's loader
+# set starts from: 15 consumer warps and the loader warp (16 warps of registers, as the default's
+# 16 consumers), each consumer's ring 5 pages of 2 blocks (the fastest ring of PERFLOG's "the
+# loader warp, built and measured"), without and with the default's L2 prefetches a layer ahead.
+LOADER = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 5, "NQ_PD_LOADER_PAGE": 2}
+LOADER_BUILDS = {"loader warp": LOADER, "loader warp, L2 a layer ahead": dict(LOADER, NQ_PD_LOADER_L2=1)}

@@ -23,7 +23,8 @@ from nanoqwen_lib.config import ModelDims, cuda_defines, load
 from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.gpu import decode_contract
 from nanoqwen_lib.gpu.arena import ArenaPlan, DeviceArena
-from nanoqwen_lib.gpu.layer import (ATTENTION, BOOKKEEPING, DOWN, EMBED, GATE_UP, LM_HEAD, NORM_IN, NORM_MLP,
+from nanoqwen_lib.gpu.decode_step import DecodeStep, KernelPerOpStep
+from nanoqwen_lib.gpu.layer import (ATTENTION, DOWN, EMBED, GATE_UP, LM_HEAD, NORM_IN, NORM_MLP,
                                     NORM_OUT, O_PROJ, QKV, ROPE)
 from nanoqwen_lib.gpu.projection import projections_for
 from nanoqwen_lib.model.generate import check_request
@@ -37,7 +38,6 @@ DECODE_MODES = ("persistent", "graph")
 # the slots are gpu.decode_contract's, the kernels' S_* in kernels/decode_contract.cuh).
 SCALARS = decode_contract.SCALARS
 SCALAR_STRIDE = cuda_defines()["NQ_SCALAR_STRIDE"]
-PERSISTENT_STEP = "persistent step"     # the one region of the persistent decode step
 
 
 def plan_arena(dims: ModelDims, max_tokens: int, encoding: str = "int4", decode: str = "graph",
@@ -183,11 +183,13 @@ class GpuBackend:
 
     decode picks the step: "persistent" (one kernel, gpu.persistent; INT4 files) or "graph"
     (a kernel per op, the regions of gpu.layer); default per encoding, nanoqwen.yaml
-    engine.decode. timeline=True builds the persistent kernel's diagnostic timeline.
+    engine.decode. Either is a gpu.decode_step.DecodeStep (self.step): the engine asks it for
+    the token's launches, a layer's, and a reset, and never which one it is.
+    timeline=True builds the persistent kernel's diagnostic timeline.
     """
 
     name = "gpu"
-    _pd = None           # the persistent step (the pd property)
+    _step = None         # the decode step (the step property)
     graphs = None
 
     def __init__(self, nq_file, max_tokens: int | None = None, graphs: bool = True,
@@ -219,7 +221,6 @@ class GpuBackend:
         dims = self.dims = nq_file.dims
         self.encoding = nq_file.encoding
         self.max_tokens = min(max_tokens or dims.max_position, dims.max_position)
-        self.decode_mode = decode
         gemm = prefill_gemm or load().engine.prefill_gemm[self.encoding]
         self.arena = a = DeviceArena(plan_arena(dims, self.max_tokens, self.encoding, decode, gemm),
                                      source=nq_file.path)
@@ -245,30 +246,50 @@ class GpuBackend:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.prefill_mode = prefill
         self.use_graphs, self.graphs = graphs, None
-        self._pd = None
+        self._steps = {}                 # new_page -> the step's launch list (enqueue_step)
         if decode == "persistent":
             from nanoqwen_lib.gpu.persistent import PersistentStep
             PersistentStep.upload_streams(a, dims, nq_file)
-            self.pd = PersistentStep(self, timeline=timeline)
-        self._steps = {}                 # new_page -> the step's launch list (enqueue_step)
+            self.step = PersistentStep(self, timeline=timeline)
+        else:
+            self.step = KernelPerOpStep(self)
         self.position = 0
         if graphs:
             self.capture_graphs()
 
     @property
+    def step(self) -> DecodeStep:
+        """The decode step (gpu.decode_step): KernelPerOpStep or gpu.persistent.PersistentStep."""
+        return self._step
+
+    @step.setter
+    def step(self, step: DecodeStep) -> None:
+        """Replace the decode step (another build or grid of the persistent one: the bench, the
+        timeline, the tests). The launch lists and the captured graphs hold the old step's
+        kernels and buffers, which go with it, so they are built and captured again for the new
+        one (capture only: no step runs, the sequence stays where it is)."""
+        if not isinstance(step, DecodeStep):
+            raise TypeError(f"GpuBackend.step: a gpu.decode_step.DecodeStep, not {type(step).__name__}")
+        self._step = step
+        self._steps = {}
+        if self.graphs is not None:
+            self._capture()
+
+    @property
+    def decode_mode(self) -> str:
+        """The step's decode mode, "persistent" or "graph" (nanoqwen.yaml engine.decode)."""
+        return self._step.name
+
+    @property
     def pd(self):
-        """The persistent step (gpu.persistent.PersistentStep) when decode="persistent", else None."""
-        return self._pd
+        """The persistent step when it is the engine's step, else None (the bench, the
+        timeline and the persistent tests read its plan, buffers and build through it)."""
+        return self._step if self._step is not None and self._step.name == "persistent" else None
 
     @pd.setter
     def pd(self, step) -> None:
-        """Replace the persistent step (another build or grid: the bench, the timeline, the
-        tests). The captured graphs hold the old step's kernel and buffers, which go with it,
-        so they are captured again for the new one (capture only: no step runs, the sequence
-        stays where it is)."""
-        self._pd = step
-        if self.graphs is not None:
-            self._capture()
+        """Another build of the persistent step as the engine's step (the step setter)."""
+        self.step = step
 
     # ------------------------------------------------------------------ host -> device
     def _upload_scalars(self) -> None:
@@ -297,24 +318,16 @@ class GpuBackend:
         self.host_scalars[SCALARS.index("free_top") * SCALAR_STRIDE] = self.pages - taken
         self.host_scalars[SCALARS.index("position") * SCALAR_STRIDE] = max(prompt_tokens - 1, 0)
         self._upload_scalars()
-        if self.pd is not None:
-            with self.stream:
-                self.pd.reset()
+        with self.stream:
+            self.step.reset()
         self.position = 0
 
     # ------------------------------------------------------------------ one step
     def step_launches(self, new_page: bool) -> list[tuple[str, object]]:
         """The decode step as (region, launch) pairs in order: the one description that the
-        eager step, the graph capture and the ITL breakdown (nanoqwen_lib.measure.breakdown) share.
-        The persistent step is one launch: the whole list is one region."""
-        if self.pd is not None:
-            return [(PERSISTENT_STEP, lambda: self.pd.launch(new_page))]
-        out = [(BOOKKEEPING.name, lambda: self.begin_step(new_page)), (EMBED.name, self.embed_step)]
-        for l in range(self.dims.num_layers):
-            out += self.layer_launches(l)
-        out += self.head_launches()
-        out.append((BOOKKEEPING.name, self.end_step))
-        return out
+        eager step, the graph capture and the ITL breakdown (nanoqwen_lib.measure.breakdown) share
+        (the step's launches: the persistent step's is one launch, one region)."""
+        return self.step.launches(new_page)
 
     def enqueue_step(self, new_page: bool) -> None:
         """The whole decode step for the token and position in the device scalars. The
@@ -343,9 +356,11 @@ class GpuBackend:
     def embed_step(self) -> None:
         self.ops.embed(self.scalar["token"], self.arena["w.embed"], self.arena["a.x"])
 
+    # The kernel-per-op step's pieces (KernelPerOpStep orders them; the prefill's last row goes
+    # through the same head; the per-layer tests run the bookkeeping and embedding before a layer).
     def layer_launches(self, l: int) -> list[tuple[str, object]]:
-        """One decoder layer on a.x (in place), as (region, launch) in gpu.layer.LAYER's
-        order; this position's K/V are appended to the cache."""
+        """One decoder layer on a.x (in place) as a kernel per op, as (region, launch) in
+        gpu.layer.LAYER's order; this position's K/V are appended to the cache."""
         a, d, ops, at, p = self.arena, self.dims, self.ops, self.attn, self.proj
         x, y, w = a["a.x"], a["a.y"], f"w.{l}."
         return [
@@ -362,12 +377,9 @@ class GpuBackend:
         ]
 
     def layer_step(self, l: int) -> None:
-        """One decoder layer on a.x (in place); this position's K/V appended to the cache
-        (the persistent kernel runs layer l alone when that is the engine's step)."""
-        if self.pd is not None:
-            self.pd.launch(False, l, l + 1, flags=0)
-            return
-        for _, launch in self.layer_launches(l):
+        """One decoder layer of the engine's step on a.x (in place); this position's K/V
+        appended to the cache."""
+        for _, launch in self.step.layer_launches(l):
             launch()
 
     def head_launches(self, x=None) -> list[tuple[str, object]]:

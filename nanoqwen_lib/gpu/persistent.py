@@ -18,6 +18,7 @@ from nanoqwen_lib.errors import LimitError
 from nanoqwen_lib.format.layout import decode_gemv_shapes
 from nanoqwen_lib.format.stream_layout import BLOCK_BYTES, stream_bytes
 from nanoqwen_lib.gpu import decode_contract, decode_knobs
+from nanoqwen_lib.gpu.decode_step import PERSISTENT_STEP
 
 KERNEL = "decode_persistent"
 TUNING = load().tuning[KERNEL].defines
@@ -153,7 +154,11 @@ def add_slots(plan, dims: ModelDims) -> None:
 
 
 class PersistentStep:
-    """The kernel, its buffers and its pointer table for one engine (GpuBackend)."""
+    """The kernel, its buffers and its pointer table for one engine (GpuBackend): the engine's
+    decode step when decode="persistent" (gpu.decode_step's protocol: launches, layer_launches,
+    reset)."""
+
+    name = "persistent"
 
     def __init__(self, eng, timeline: bool = False, defines: dict | None = None, grid: int | None = None,
                  residency: bool = True):
@@ -276,6 +281,14 @@ class PersistentStep:
         """Counters to zero (the kernel leaves them so; a timed-out launch may not)."""
         for name in ("SYNC", "TILE_CNT", "ATTN_CNT", "ARG_CNT", "QKV_TAG"):
             self.buf[name].fill(0)
+
+    def launches(self, new_page: bool) -> list:
+        """The whole token: one launch, one region (gpu.decode_step)."""
+        return [(PERSISTENT_STEP, lambda: self.launch(new_page))]
+
+    def layer_launches(self, l: int) -> list:
+        """Layer l alone on a.x (flags 0: no bookkeeping, no head), one launch (gpu.decode_step)."""
+        return [(PERSISTENT_STEP, lambda: self.launch(False, l, l + 1, flags=0))]
 
     def launch(self, new_page: bool, first_layer: int = 0, last_layer: int | None = None,
                flags: int = F_BEGIN | F_HEAD) -> None:
