@@ -25,6 +25,7 @@
 //   o_proj   its share of attn -> x (+ residual, in place)
 //   gate_up  rmsnorm(x), its share of the gate/up GEMV
 //   down     SwiGLU of its K slice of gate_up, its share of the down GEMV (+ residual)
+//            ([pd-down-slices], lab: waiting only for the gate_up units that wrote its slice)
 //   lm_head  rmsnorm(x), its 1/grid of the FP16 vocabulary rows -> logits; argmax merged by
 //            the last CTA (argmax.cuh), which also writes generated[position] and moves position
 // Each instruction waits for the whole previous one: counter sync[i] counts the CTAs done
@@ -38,7 +39,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14; NQ_PD_HEAD_BLOCKS=4; NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_DOWN_SLICES=1; NQ_PD_DOWN_SLICES=1,NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14; NQ_PD_HEAD_BLOCKS=4; NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1
 #ifndef NQ_HEAD_DIM
 #error "decode_persistent.cu needs the model dims (cuda_defines(dims))"
 #endif
@@ -63,6 +64,8 @@
 // holds gpu.persistent's smem_bytes and threads to them for every build it compiles.
 extern "C" __device__ const int nq_pd_smem_bytes = pd::kSmemBytes;
 extern "C" __device__ const int nq_pd_block_threads = pd::kBlockThreads;
+// [pd-down-slices]: how many gate_up units write each K slice of down (a CPU test counts them too).
+extern "C" __device__ const pd::SliceTargets nq_pd_slice_targets = pd::slice_targets();
 
 // [pd-entry]
 // tab: int64 [32 + 16 * num_layers] (persistent.py); layers [first_layer, last_layer) run;
@@ -206,6 +209,8 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
       for (int i = 0; i <= kDone; ++i) c.sync[i] = 0u;   // (the next launch sees them: kernel boundary)
       if (kAttnMergeAll)
         for (int i = 0; i < num_layers * KVH; ++i) ptr<unsigned>(tab, T_ATTN_CNT)[i] = 0u;
+      if (kDownSlices)                                   // [pd-down-slices]
+        for (int i = 0; i < num_layers * kDown.KS; ++i) ptr<unsigned>(tab, T_SLICE_CNT)[i] = 0u;
     }
     if constexpr (kCfg.timeline) {
       long long* row = c.tl + 4 * c.tl_n;

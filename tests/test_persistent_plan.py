@@ -261,3 +261,30 @@ def test_a_ring_past_the_opt_in_is_refused_by_name():
     ok = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 2, "NQ_PD_LOADER_PAGE": 5}
     assert persistent.check_smem(dims, persistent_plan(dims, defines=ok), ok) == \
         persistent.smem_bytes(dims, persistent_plan(dims, defines=ok), ok)
+
+
+@pytest.mark.parametrize("model,ex", [
+    ("7b", {}), ("7b", {"NQ_PD_DOWN_TG": 66, "NQ_PD_DOWN_KS": 2}),
+    ("tiny", {"NQ_PD_DOWN_TG": 56, "NQ_PD_DOWN_KS": 2}), ("tiny", {"NQ_PD_DOWN_TG": 33, "NQ_PD_DOWN_KS": 4}),
+    ("tiny", {}),
+])
+def test_down_slice_targets_count_the_gate_up_units_of_each_slice(model, ex):
+    """[pd-down-slices]: the count a down unit waits for (the kernel's, exported as
+    nq_pd_slice_targets) is, for each K slice of down, the number of gate_up units whose rows
+    hold some of that slice's gate or up rows: counted here row by row, from the plan's split."""
+    import numpy as np
+    dims = load().models[model]
+    plan = dict(persistent_plan(dims), **ex)
+    cubin, _ = cuda_build.compile_cubin("decode_persistent", dims, dict(plan, NQ_PD_DOWN_SLICES=1))
+    i, group = dims.intermediate, load().format.group_size
+    ks, groups = plan["NQ_PD_DOWN_KS"], i // group
+    slice_of = np.empty(2 * i, np.int64)                 # gate_up's output row -> down's K slice
+    for s in range(ks):
+        rows = np.arange(s * groups // ks * group, (s + 1) * groups // ks * group)
+        slice_of[rows] = slice_of[i + rows] = s
+    tiles, tg = 2 * i // 16, plan["NQ_PD_GU_TG"]
+    writers = np.zeros(ks, np.int64)
+    for u in range(tg):
+        writers[np.unique(slice_of[u * tiles // tg * 16:(u + 1) * tiles // tg * 16])] += 1
+    got = [cuda_build.elf_constant(cubin, "nq_pd_slice_targets", s) for s in range(ks)]
+    assert got == writers.tolist() and sum(got) >= tg, (got, writers)

@@ -13,7 +13,8 @@ the request placements and the LL polling, `--variants bounds` the diagnostic bu
 skip instructions (their tokens are meaningless; their time is what the rest costs alone),
 `--variants head` the shared-memory heads of gate_up and down, `--variants loader` the loader
 warp ([pd-loader]) at several ring depths, `--variants loader-bounds` the bounds' builds of the
-default and of chapter 10's loader build (gpu.decode_knobs.LOADER) in one run.
+default and of chapter 10's loader build (gpu.decode_knobs.LOADER) in one run, `--variants slices`
+down's per-slice counters ([pd-down-slices]) with and without the loader, twice.
 """
 from __future__ import annotations
 
@@ -80,8 +81,11 @@ LOADER = ";".join([                                      # [pd-loader]: a loader
 LOADER_BUILD = ",".join(f"{k}={v}" for k, v in decode_knobs.LOADER.items())   # chapter 10's loader build
 LOADER_BOUNDS = ";".join(                                 # the decomposition of v10 and of the loader build, one run
     BOUNDS.split(";")[:-1] + [",".join(x for x in (LOADER_BUILD, v) if x) for v in BOUNDS.split(";")[:-1]])
+SLICES = ";".join([                                      # [pd-down-slices]: down waits for its K slice of gate_up only
+    "", "NQ_PD_DOWN_SLICES=1", LOADER_BUILD, LOADER_BUILD + ",NQ_PD_DOWN_SLICES=1", "", "NQ_PD_DOWN_SLICES=1",
+])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
-        "loader-bounds": LOADER_BOUNDS}
+        "loader-bounds": LOADER_BOUNDS, "slices": SLICES}
 
 
 def parse(spec: str) -> list[dict]:

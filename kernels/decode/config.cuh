@@ -33,6 +33,9 @@
 #ifndef NQ_PD_DOWN_DEFER
 #error "NQ_PD_DOWN_DEFER: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
+#ifndef NQ_PD_DOWN_SLICES
+#error "NQ_PD_DOWN_SLICES: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
 #ifndef NQ_PD_QKV_PREFETCH
 #error "NQ_PD_QKV_PREFETCH: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -151,6 +154,9 @@ struct Config {
                         //   taking it from L1 costs
   bool down_defer;      // NQ_PD_DOWN_DEFER (0/1): down's K slices added by the next qkv and o_proj (1)
                         //   or folded by down (0) [pd-down-defer]
+  bool down_slices;     // NQ_PD_DOWN_SLICES (0/1): each down unit waits only for the gate_up units that
+                        //   wrote its K slice (a counter per layer and slice), not for all of gate_up
+                        //   [pd-down-slices]
   unsigned late_ring;   // NQ_PD_LATE_RING (bits 0x3a): the GEMVs that ask for their ring only after
                         //   their wait (0: all before)
   bool qkv_ll;          // NQ_PD_QKV_LL (0/1): attention polls q, k, v tagged with the layer instead of
@@ -196,6 +202,7 @@ constexpr Config kCfg{
   NQ_PD_SMEM_RING != 0,
   NQ_PD_SMEM_PAD_KB,
   NQ_PD_DOWN_DEFER != 0,
+  NQ_PD_DOWN_SLICES != 0,
   unsigned(NQ_PD_LATE_RING),
   NQ_PD_QKV_LL != 0,
   NQ_PD_HEAD_BLOCKS,
@@ -227,6 +234,7 @@ static_assert(NQ_PD_TIMEOUT_MS >= 1 && NQ_PD_TIMEOUT_MS <= 600000, "NQ_PD_TIMEOU
 static_assert(NQ_PD_SMEM_RING >= 0 && NQ_PD_SMEM_RING <= 1, "NQ_PD_SMEM_RING: 0/1");
 static_assert(NQ_PD_SMEM_PAD_KB >= 0 && NQ_PD_SMEM_PAD_KB <= 227, "NQ_PD_SMEM_PAD_KB: 0..227");
 static_assert(NQ_PD_DOWN_DEFER >= 0 && NQ_PD_DOWN_DEFER <= 1, "NQ_PD_DOWN_DEFER: 0/1");
+static_assert(NQ_PD_DOWN_SLICES >= 0 && NQ_PD_DOWN_SLICES <= 1, "NQ_PD_DOWN_SLICES: 0/1");
 static_assert((NQ_PD_LATE_RING & ~0x3a) == 0, "NQ_PD_LATE_RING: bits 0x3a");
 static_assert(NQ_PD_QKV_LL >= 0 && NQ_PD_QKV_LL <= 1, "NQ_PD_QKV_LL: 0/1");
 static_assert(NQ_PD_HEAD_BLOCKS >= 0 && NQ_PD_HEAD_BLOCKS <= 32, "NQ_PD_HEAD_BLOCKS: 0..32");

@@ -98,7 +98,9 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   if (kCfg.self_prefetch > 0 && !kLoader && (kind == K_GATE_UP || kind == K_DOWN))
     prefetch_warp<N, K, TG, KS>(w, kRing, kCfg.self_prefetch);
   if (kind == K_QKV) probe(c, layer, 0);
-  wait_inputs(c);
+  constexpr bool kSliceWait = kDownSlices && kStage == ST_SWIGLU;   // down ([pd-down-slices])
+  if (kSliceWait) wait_slice(c, layer, u.ks, u.live);
+  else wait_inputs(c);
   if (late_ring && !kLoader) issue_ring();
   if (kPrefetchNextQkv && kCfg.qkv_prefetch == 2) prefetch_next_qkv(c);
   if (kind == K_QKV) probe(c, layer, 1);
@@ -225,6 +227,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   }
   // [/pd-gemv-loop]
   if (kPrefetchNextQkv && kCfg.qkv_prefetch == 3) prefetch_next_qkv(c);
+  if (kSliceWait) wait_prev_thread0(c);   // [pd-down-slices]: all of gate_up read x before down writes it
   cta_sync();   // all threads: every warp's row sums are in part[]
   if (kind == K_QKV) probe(c, layer, 3);
 
@@ -271,7 +274,9 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   }
   if (kind == K_O) c.x_pending = false;             // x is whole again (o_proj wrote it)
   if (kind == K_DOWN) c.x_pending = defer;
-  signal_done(c, idx, layer, kind, c.grid);
+  constexpr bool kSliceSignal = kDownSlices && kEpi == EP_PLAIN;    // gate_up ([pd-down-slices])
+  if (kSliceSignal && u.live) signal_done(c, idx, layer, kind, c.grid, true, u.t0 * 16, min((u.t0 + u.nt) * 16, N));
+  else signal_done(c, idx, layer, kind, c.grid);
   if (kind == K_QKV) probe(c, layer, 4);
 }
 

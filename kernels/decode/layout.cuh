@@ -78,6 +78,45 @@ constexpr bool kDownDefer = kCfg.down_defer && kDown.KS > 1 && kNormOnePass;
 constexpr bool kQkvLL = kCfg.qkv_ll;
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int max2(int a, int b) { return a > b ? a : b; }
+// [pd-down-slices]
+// down's unit (tile set, K slice s) reads slice s of gate_up's output alone: gate rows [k0, k1)
+// and up rows I + [k0, k1) (its SwiGLU staging). With NQ_PD_DOWN_SLICES (lab), each gate_up CTA
+// adds one, after its rows are written, to a counter (per layer and slice) of every slice its
+// rows meet, and a down unit waits for its slice's count instead of for all of gate_up. But
+// every gate_up CTA reads all of x (its norm) and down writes x: so down's CTAs still wait for
+// all of gate_up before they publish or write x (thread 0, once their stream is done, when
+// it is long complete); "down is done" keeps meaning "gate_up is done" for everything after.
+constexpr bool kDownSlices = kCfg.down_slices;
+static_assert(!kDownSlices || kGateUp.KS == 1,
+              "NQ_PD_DOWN_SLICES: gate_up's units write their own rows (NQ_PD_GU_KS = 1)");
+__host__ __device__ constexpr int down_k0(int s) {   // first row of slice s (down's groups, KS-split as unit_of)
+  return (int)((long long)s * (kDown.K / NQ_GROUP_SIZE) / kDown.KS) * NQ_GROUP_SIZE;
+}
+__host__ __device__ constexpr int gate_up_row0(int u) {   // first row of gate_up's unit u (KS = 1: tile set u)
+  return (int)((long long)u * ceil_div(kGateUp.N, 16) / kGateUp.TG) * 16;
+}
+// gate_up rows [r0, r1) meet down's slice s
+__host__ __device__ constexpr bool rows_meet_slice(int r0, int r1, int s) {
+  return (r0 < down_k0(s + 1) && down_k0(s) < r1) || (r0 < I + down_k0(s + 1) && I + down_k0(s) < r1);
+}
+__host__ __device__ constexpr unsigned slice_writers(int s) {   // gate_up units whose rows meet slice s
+  unsigned n = 0;
+  for (int u = 0; u < kGateUp.TG; ++u)
+    n += rows_meet_slice(gate_up_row0(u), gate_up_row0(u + 1) < kGateUp.N ? gate_up_row0(u + 1) : kGateUp.N, s);
+  return n;
+}
+struct SliceTargets { unsigned n[kDown.KS]; };   // (exported by the kernel: nq_pd_slice_targets)
+__host__ __device__ constexpr SliceTargets slice_targets() {
+  SliceTargets t{};
+  for (int s = 0; s < kDown.KS; ++s) t.n[s] = slice_writers(s);
+  return t;
+}
+// ... for a slice known only at run time, each a constant folded at compile time
+template <int S = 0> __device__ __forceinline__ unsigned slice_target(int s) {
+  if constexpr (S + 1 >= kDown.KS) return slice_writers(S);
+  else return s == S ? slice_writers(S) : slice_target<S + 1>(s);
+}
+// [/pd-down-slices]
 __host__ __device__ constexpr int x_bytes(Gemv m) { return ceil_div(m.K / NQ_GROUP_SIZE, m.KS) * nqs3::kXGroupBytes; }
 // Dynamic shared memory: the largest of what the instructions stage (persistent.py's smem_bytes
 // computes the same; the kernel checks %dynamic_smem_size at entry).

@@ -123,11 +123,19 @@ __device__ __forceinline__ void wait_inputs(Ctx& c) {
 // All threads, after the CTA's last write of instruction `idx`: publish it (arrive = false:
 // a CTA that took no part, as every CTA but 0 in `begin`, only records and moves on). The
 // next instruction waits for sync[idx] >= target.
+// rows [r0, r1) (r0 < r1: gate_up with [pd-down-slices]): also the counter of every K slice of
+// down those rows meet.
 __device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind, unsigned target,
-                                            bool arrive = true) {
+                                            bool arrive = true, int r0 = 0, int r1 = 0) {
   cta_sync();   // all threads: this CTA's writes of the instruction are issued
   if (threadIdx.x == 0) {
     if (arrive) release_add(c.sync + idx, 1u);         // ... and visible before the counter moves
+    if (kDownSlices && r0 < r1) {
+      unsigned* cnt = ptr<unsigned>(c.tab, T_SLICE_CNT) + layer * kDown.KS;
+#pragma unroll
+      for (int s = 0; s < kDown.KS; ++s)
+        if (rows_meet_slice(r0, r1, s)) release_add(cnt + s, 1u);
+    }
     if constexpr (kCfg.timeline) {
       long long* row = c.tl + 4 * c.tl_n;
       row[0] = layer * 16 + kind; row[1] = (long long)c.t_begin; row[2] = (long long)c.t_ready;
@@ -137,6 +145,18 @@ __device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind
   c.tl_n++;
   c.prev = idx;
   c.prev_target = target;
+}
+// [pd-down-slices]: wait for slice s of layer's gate_up (a CTA with no unit, live = false: for nothing);
+// c.prev stays gate_up's counter, which down waits for before it publishes (wait_prev_thread0).
+__device__ __forceinline__ void wait_slice(Ctx& c, int layer, int s, bool live) {
+  if (threadIdx.x == 0 && live)
+    spin_until(c, ptr<unsigned>(c.tab, T_SLICE_CNT) + layer * kDown.KS + s, slice_target(s));
+  cta_sync();   // all threads: this unit's slice of the input is complete
+  if (kCfg.timeline && threadIdx.x == 0) c.t_ready = now_ns();
+}
+// Thread 0: the whole previous instruction done (the caller's next CTA barrier passes it on).
+__device__ __forceinline__ void wait_prev_thread0(const Ctx& c) {
+  if (threadIdx.x == 0 && c.prev >= 0) spin_until(c, c.sync + c.prev, c.prev_target);
 }
 // [/pd-wait]
 // NQ_PD_PROBE > 0 (lab build, tools/bench_persistent.py --probe): thread 0 of every CTA
@@ -176,6 +196,8 @@ __device__ __forceinline__ uint4 poll_tagged4(const Ctx& c, const unsigned* p, u
 // The token's values are then meaningless; its time says what the remaining instructions cost
 // on their own (tools/bench_persistent.py --variants bounds).
 __device__ __forceinline__ constexpr bool skipped(int kind) { return (kCfg.skip >> kind) & 1; }
+static_assert(!kDownSlices || skipped(K_GATE_UP) == skipped(K_DOWN),
+              "NQ_PD_DOWN_SLICES: down waits on counters only gate_up moves: skip both or neither");
 __device__ __forceinline__ void skip_instruction(Ctx& c, int idx, int layer, int kind) {
   begin_instruction(c);
   wait_inputs(c);

@@ -240,9 +240,10 @@ def _whole_elf(cubin: bytes) -> bytes:
     return cubin + b"\0" * max(0, need - len(cubin))
 
 
-def elf_constant(cubin: bytes, symbol: str) -> int:
+def elf_constant(cubin: bytes, symbol: str, index: int = 0) -> int:
     """The int32 value of an initialized `extern "C" __device__ const int` in a CUBIN (its
-    symbol's bytes in .nv.global.init), read without a GPU; a KeyError names a missing one."""
+    symbol's bytes in .nv.global.init), or element `index` of such an array (or struct of
+    ints), read without a GPU; a KeyError names a missing one."""
     elf = _whole_elf(cubin)
     shoff, = struct.unpack_from("<Q", elf, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
@@ -254,9 +255,9 @@ def elf_constant(cubin: bytes, symbol: str) -> int:
         for j in range(size // 24):                     # Elf64_Sym
             st_name, _, _, shndx, value, nbytes = struct.unpack_from("<IBBHQQ", elf, off + 24 * j)
             end = elf.index(b"\0", names + st_name)
-            if elf[names + st_name:end].decode() == symbol and nbytes == 4 and shndx < len(secs):
-                return struct.unpack_from("<i", elf, secs[shndx][4] + value)[0]
-    raise KeyError(f"{symbol}: no initialized 4-byte symbol of that name in the CUBIN")
+            if elf[names + st_name:end].decode() == symbol and nbytes >= 4 * (index + 1) and shndx < len(secs):
+                return struct.unpack_from("<i", elf, secs[shndx][4] + value + 4 * index)[0]
+    raise KeyError(f"{symbol}: no initialized symbol of that name with int32 [{index}] in the CUBIN")
 
 
 def nvdisasm_path() -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 TAB_GLOBALS = ("EMBED", "NORM", "LM_HEAD", "LOGITS", "SCALARS", "BLOCK_TABLE", "FREE_PAGES", "GENERATED",
                "X", "QKV", "ATTN", "GATE_UP", "SYNC", "WS", "TILE_CNT", "ATTN_WS", "ATTN_CNT",
                "ARG_VAL", "ARG_IDX", "ARG_CNT", "TIMELINE", "INV_FREQ", "MAX_PAGES", "PROBE", "GRID",
-               "WS_DOWN", "QKV_TAG")
+               "WS_DOWN", "QKV_TAG", "SLICE_CNT")
 # Each layer's slots, as enum LayerTab (L_<name>, then L_FIELDS): layer l's row starts at
 # LAYER_BASE + LAYER_STRIDE * l (kLayerBase, kLayerStride).
 TAB_LAYER = ("QKV", "O", "GATE_UP", "DOWN", "LN1", "LN2", "QKV_BIAS", "K", "V")

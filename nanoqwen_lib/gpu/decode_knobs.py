@@ -67,6 +67,9 @@ KNOBS = (
          "or a warp per token (0)"),
     Knob("NQ_PD_DOWN_DEFER", "down_defer", "bool", 0, 1, "lab",
          "down's K slices added by the next qkv and o_proj (1) or folded by down (0) [pd-down-defer]"),
+    Knob("NQ_PD_DOWN_SLICES", "down_slices", "bool", 0, 1, "lab",
+         "each down unit waits only for the gate_up units that wrote its K slice (a counter per layer "
+         "and slice), not for all of gate_up [pd-down-slices]"),
     Knob("NQ_PD_QKV_PREFETCH", "qkv_prefetch", "int", 0, 3, "tuned",
          "when down prefetches the next qkv share into L2: 1 at its start, 2 after its wait, "
          "3 after its stream, 0 never"),

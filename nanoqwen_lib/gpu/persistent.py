@@ -203,6 +203,7 @@ class PersistentStep:
             "WS": cp.zeros(ws_rows, cp.float32),
             "WS_DOWN": cp.zeros(self.plan["NQ_PD_DOWN_KS"] * dims.hidden, cp.float32),   # [pd-down-defer]
             "QKV_TAG": cp.zeros(dims.qkv_dim, cp.uint32),   # [pd-qkv-ll]: (layer + 1) << 16 | fp16, zeroed each launch
+            "SLICE_CNT": cp.zeros(L * self.plan["NQ_PD_DOWN_KS"], cp.uint32),   # [pd-down-slices]: per layer and K slice
             "TILE_CNT": cp.zeros(max(self.plan[f"NQ_PD_{m}_TG"] for m in ("QKV", "O", "GU", "DOWN")), cp.int32),
             "ATTN_WS": cp.zeros(dims.num_kv_heads * t["NQ_PD_ATTN_SPLITS"] * gqa * (dims.head_dim + 2),
                                 cp.float32),
@@ -279,7 +280,7 @@ class PersistentStep:
 
     def reset(self) -> None:
         """Counters to zero (the kernel leaves them so; a timed-out launch may not)."""
-        for name in ("SYNC", "TILE_CNT", "ATTN_CNT", "ARG_CNT", "QKV_TAG"):
+        for name in ("SYNC", "TILE_CNT", "ATTN_CNT", "ARG_CNT", "QKV_TAG", "SLICE_CNT"):
             self.buf[name].fill(0)
 
     def launches(self, new_page: bool) -> list:
