@@ -7,6 +7,8 @@ machine: a CPU can refresh it. The other cells' outputs and every execution coun
 they are.
 
     python tools/refresh_record_cells.py [book/NN-chapter.ipynb ...]   # default: every notebook of the book
+    python tools/refresh_record_cells.py --figures book/NN-chapter.ipynb  # also a cell whose figure alone differs
+                                                                           # (its plotting code changed)
 """
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ def _text(outputs) -> list:
              for k in o if k != "metadata"} for o in outputs]
 
 
-def refresh(path: Path) -> int:
+def refresh(path: Path, figures: bool = False) -> int:
     """Re-execute path's record-backed cells; write the notebook (temporary file, then a
-    rename) if any output changed. Returns how many cells changed."""
+    rename) if any output changed (with figures, also where only a figure did). Returns how
+    many cells changed."""
     nb = nbformat.read(path, as_version=4)
     changed = 0
     for i in record_cells(nb):
@@ -48,7 +51,8 @@ def refresh(path: Path) -> int:
                 o["execution_count"] = cell.execution_count
         if any(o.output_type == "error" for o in outputs):
             raise SystemExit(f"{path.name} cell {i}: raised {next(o for o in outputs if o.output_type == 'error').ename}")
-        if _text(outputs) != _text(cell.outputs):      # a figure alone re-rendered here is kept as it was
+        if _text(outputs) != _text(cell.outputs) or (figures and outputs != cell.outputs):
+            # (without figures, a figure alone re-rendered here is kept as it was)
             cell.outputs = outputs
             changed += 1
             print(f"{path.relative_to(ROOT)} cell {i}: refreshed")
@@ -62,9 +66,10 @@ def refresh(path: Path) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("notebooks", nargs="*", type=Path)
+    ap.add_argument("--figures", action="store_true", help="also replace a cell whose figure alone differs")
     a = ap.parse_args(argv)
     paths = a.notebooks or sorted(BOOK.glob("*.ipynb"))   # the chapters and the pages beside them
-    n = sum(refresh(p.resolve()) for p in paths)
+    n = sum(refresh(p.resolve(), a.figures) for p in paths)
     print(f"{n} record-backed cells refreshed")
     return 0
 

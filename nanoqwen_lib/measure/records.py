@@ -66,6 +66,8 @@ MEASURES = {   # book/data/<name> -> what it measures
     "persistent.json": BENCH_PERSISTENT,
     "persistent-variants.json": _K_COMMON + _PLAN + PERSISTENT + ["nanoqwen_lib/measure/timeline.py",
                                                                    "tools/bench_persistent.py"],
+    "persistent-bounds-loader.json": _K_COMMON + _PLAN + PERSISTENT + ["nanoqwen_lib/measure/timeline.py",
+                                                                        "tools/bench_persistent.py"],
     "bench-int4.json": BENCH_INT4,                    # bench --decode graph --breakdown: chapter 12's INT4 side
     "scoreboard.json": BENCH_PERSISTENT + PEERS,      # nanoqwen bench --peers with the default (persistent) step
     "bench-fp8.json": BENCH_FP8,
