@@ -228,7 +228,6 @@ def test_loader_warp_gives_the_same_bits_7b(file_7b, engine_7b):
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 
 
-LOADER_R5P2 = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 5, "NQ_PD_LOADER_PAGE": 2}
 
 
 @pytest.mark.parametrize("ks", [1, 2, 4])
@@ -242,7 +241,8 @@ def test_down_slice_counters_give_the_same_bits(ks, loader):
     from nanoqwen_lib.gpu.hardware import hardware
     f, eng = _tiny_engine()
     down = {"NQ_PD_DOWN_TG": min(56, hardware().sms // ks), "NQ_PD_DOWN_KS": ks}
-    base = dict(down, **(LOADER_R5P2 if loader else {}))
+    from nanoqwen_lib.gpu.decode_knobs import LOADER
+    base = dict(down, **(LOADER if loader else {}))
     prompt = prompt_ids(np.random.default_rng(31 + ks), 27)
     t0, l0 = _decode_bits(eng, base, prompt)
     assert np.isfinite(l0).all()
