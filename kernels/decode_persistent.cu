@@ -39,7 +39,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_DOWN_SLICES=1; NQ_PD_DOWN_SLICES=1,NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14; NQ_PD_HEAD_BLOCKS=4; NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_DOWN_SLICES=1; NQ_PD_DOWN_SLICES=1,NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14; NQ_PD_HEAD_BLOCKS=4; NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1; NQ_PD_LOADER=4,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_SELF=1
 #ifndef NQ_HEAD_DIM
 #error "decode_persistent.cu needs the model dims (cuda_defines(dims))"
 #endif
@@ -110,15 +110,18 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
   // [pd-loader]: a page's full barrier, one arrival (the loader lane's expect_tx) and the bytes
   // a phase; its empty barrier, one arrival (the consumer warp's lane 0)
   __shared__ __align__(8) uint64_t ld_full[kLoader ? kWarps * kLoaderSlots : 1];
-  __shared__ __align__(8) uint64_t ld_empty[kLoader ? kWarps * kLoaderSlots : 1];
+  __shared__ __align__(8) uint64_t ld_empty[kLoaderWarp ? kWarps * kLoaderSlots : 1];
   c.ld_ring = smem + kLoaderOffset;
   c.ld_full = ld_full;
   c.ld_empty = ld_empty;
   c.ld_n = 0;
+  __shared__ Cursor ld_cur[kLoaderSelf ? kWarps : 1];   // [pd-loader-self]: each consumer warp's place
+  c.ld_cur = ld_cur;
+  c.ld_k_end = 4 * (last_layer - first_layer);
   if constexpr (kLoader) {
     for (int i = threadIdx.x; i < kWarps * kLoaderSlots; i += kBlockThreads) {
       hopper::mbar_init(ld_full + i, 1);
-      hopper::mbar_init(ld_empty + i, 1);
+      if (kLoaderWarp) hopper::mbar_init(ld_empty + i, 1);
     }
     hopper::fence_mbarrier_init();
     __syncthreads();   // every thread, the loader's too: the barriers are initialised
@@ -132,10 +135,11 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
     return;
   }
   const int kDone = 2 + 5 * num_layers;
-  if (kLoader && threadIdx.x >= kThreads) {   // [pd-loader]: the loader warp walks the weights, and is done
+  if (kLoaderWarp && threadIdx.x >= kThreads) {   // [pd-loader]: the loader warp walks the weights, and is done
     loader(c, first_layer, last_layer);
     return;
   }
+  if (kLoaderSelf && (threadIdx.x & 31) == 0) self_start(c, threadIdx.x >> 5);   // [pd-loader-self]
 
   if (flags & F_BEGIN) {
     begin_instruction(c);

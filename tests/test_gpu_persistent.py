@@ -218,12 +218,38 @@ def test_loader_warp_gives_the_same_bits(warps, slots, page, l2):
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 
 
+@pytest.mark.parametrize("slots,page", [(2, 1), (4, 2), (3, 3), (2, 5)])
+def test_consumers_loading_their_own_rings_give_the_same_bits(slots, page):
+    """[pd-loader-self]: no loader warp; each of the 16 consumer warps' lane 0 walks its own
+    share of the schedule and issues its ring's next page as it gives one back, across
+    instruction and layer boundaries: bitwise the logits of the build without any loader at
+    every step (two one-block pages wrap each ring many times a layer; pages of several blocks
+    end mid-page at a range's end)."""
+    f, eng = _tiny_engine()
+    prompt = prompt_ids(np.random.default_rng(37), 29)
+    t0, l0 = _decode_bits(eng, {}, prompt)
+    assert np.isfinite(l0).all()
+    t, l = _decode_bits(eng, {"NQ_PD_LOADER": slots, "NQ_PD_LOADER_PAGE": page, "NQ_PD_LOADER_SELF": 1}, prompt)
+    assert eng.pd.threads == 32 * 16
+    assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
+
+
 def test_loader_warp_gives_the_same_bits_7b(file_7b, engine_7b):
     """[pd-loader] on the 7B's shapes (down in K slices, warps over two tiles): 4 steps with the
     loader, bitwise those without it (15 consumer warps each)."""
     prompt = prompt_ids(np.random.default_rng(23), 40)
     t0, l0 = _decode_bits(engine_7b, {"NQ_PD_WARPS": 15}, prompt, steps=4)
     t, l = _decode_bits(engine_7b, {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 3, "NQ_PD_LOADER_PAGE": 3}, prompt, steps=4)
+    engine_7b.pd = PersistentStep(engine_7b)                # the fixture's default step back
+    assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
+
+
+def test_consumers_loading_their_own_rings_give_the_same_bits_7b(file_7b, engine_7b):
+    """[pd-loader-self] on the 7B's shapes (the 16 consumers' rings of 4 pages of 2 blocks, the
+    largest that fits): 4 steps bitwise those of the default build."""
+    prompt = prompt_ids(np.random.default_rng(41), 40)
+    t0, l0 = _decode_bits(engine_7b, {}, prompt, steps=4)
+    t, l = _decode_bits(engine_7b, {"NQ_PD_LOADER": 4, "NQ_PD_LOADER_PAGE": 2, "NQ_PD_LOADER_SELF": 1}, prompt, steps=4)
     engine_7b.pd = PersistentStep(engine_7b)                # the fixture's default step back
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 

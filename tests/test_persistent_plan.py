@@ -149,17 +149,17 @@ def test_shared_memory_fits_an_sm(model):
     ("7b", {"NQ_PD_SMEM_RING": 1, "NQ_PD_RING": 8}), ("7b", {"NQ_PD_HEAD_BLOCKS": 4}),
     ("7b", {"NQ_PD_SMEM_PAD_KB": 128}), ("tiny", {"NQ_PD_ATTN_MERGE": 0, "NQ_PD_ATTN_LANES": 0, "NQ_PD_ATTN_SPLITS": 24}),
     ("tiny", {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 5, "NQ_PD_LOADER_PAGE": 2}), ("7b", {"NQ_PD_WARPS": 12}),
+    ("7b", {"NQ_PD_LOADER": 4, "NQ_PD_LOADER_PAGE": 2, "NQ_PD_LOADER_SELF": 1}),
 ])
 def test_host_launch_sizes_are_the_kernels(model, ex):
-    """The host's figures for a build (smem_bytes, and the block: 32 x (warps + loader)) are
-    the ones the kernel computes (pd::kSmemBytes, pd::kBlockThreads, exported as constants and
+    """The host's figures for a build (smem_bytes, and block_threads: 32 x (warps + the loader
+    warp, which [pd-loader-self] has not)) are the ones the kernel computes (pd::kSmemBytes, pd::kBlockThreads, exported as constants and
     read from the CUBIN): every term of the layout, each knob that sizes it."""
     dims = load().models[model]
     plan = persistent_plan(dims, defines=ex)
     cubin, _ = cuda_build.compile_cubin("decode_persistent", dims, dict(plan, **ex))
     assert cuda_build.elf_constant(cubin, "nq_pd_smem_bytes") == persistent.smem_bytes(dims, plan, ex)
-    t = dict(persistent.TUNING, **ex)
-    assert cuda_build.elf_constant(cubin, "nq_pd_block_threads") == 32 * (t["NQ_PD_WARPS"] + (t["NQ_PD_LOADER"] > 0))
+    assert cuda_build.elf_constant(cubin, "nq_pd_block_threads") == persistent.block_threads(ex)
     with pytest.raises(KeyError):
         cuda_build.elf_constant(cubin, "nq_pd_no_such_constant")
 

@@ -14,7 +14,9 @@ skip instructions (their tokens are meaningless; their time is what the rest cos
 `--variants head` the shared-memory heads of gate_up and down, `--variants loader` the loader
 warp ([pd-loader]) at several ring depths, `--variants loader-bounds` the bounds' builds of the
 default and of chapter 10's loader build (gpu.decode_knobs.LOADER) in one run, `--variants slices`
-down's per-slice counters ([pd-down-slices]) with and without the loader, twice.
+down's per-slice counters ([pd-down-slices]) with and without the loader, twice, `--variants self`
+the consumers filling their own rings ([pd-loader-self]) at several depths beside the default and
+the loader warp, `--variants self-bounds` the bounds' builds of the default and of that build.
 """
 from __future__ import annotations
 
@@ -84,8 +86,17 @@ LOADER_BOUNDS = ";".join(                                 # the decomposition of
 SLICES = ";".join([                                      # [pd-down-slices]: down waits for its K slice of gate_up only
     "", "NQ_PD_DOWN_SLICES=1", LOADER_BUILD, LOADER_BUILD + ",NQ_PD_DOWN_SLICES=1", "", "NQ_PD_DOWN_SLICES=1",
 ])
+SELF_BUILD = ",".join(f"{k}={v}" for k, v in decode_knobs.LOADER_SELF.items())   # [pd-loader-self], chapter 10's
+SELF = ";".join([                                        # [pd-loader-self]: the 16 consumers fill their own rings
+    "", SELF_BUILD,                                      # 4 pages of 2 blocks a warp
+    "NQ_PD_LOADER=8,NQ_PD_LOADER_PAGE=1,NQ_PD_LOADER_SELF=1", "NQ_PD_LOADER=3,NQ_PD_LOADER_PAGE=3,NQ_PD_LOADER_SELF=1",
+    "NQ_PD_LOADER=2,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_SELF=1",   # a shallow ring: what depth buys
+    LOADER_BUILD, "", SELF_BUILD,                        # the loader warp, then the first two again
+])
+SELF_BOUNDS = ";".join(                                   # the decomposition of v10 and of the self-loading build, one run
+    BOUNDS.split(";")[:-1] + [",".join(x for x in (SELF_BUILD, v) if x) for v in BOUNDS.split(";")[:-1]])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
-        "loader-bounds": LOADER_BOUNDS, "slices": SLICES}
+        "loader-bounds": LOADER_BOUNDS, "slices": SLICES, "self": SELF, "self-bounds": SELF_BOUNDS}
 
 
 def parse(spec: str) -> list[dict]:

@@ -45,8 +45,10 @@ for what in "$@"; do
       echo "persistent-variants: $(( $(date +%s) - t0 )) s" ;;
     sanitize-persistent)
       # compute-sanitizer racecheck and synccheck on the persistent kernel, tiny and tiny-hd64
+      # (SANITIZE_DEFINES: a lab build's knobs, A=1,B=2)
       for tool in racecheck synccheck; do for m in tiny tiny-hd64; do
-        timeout 300 compute-sanitizer --tool $tool --print-limit 20 python3 tools/sanitize_persistent.py --model $m 2>&1 \
+        timeout 300 compute-sanitizer --tool $tool --print-limit 20 python3 tools/sanitize_persistent.py --model $m \
+          ${SANITIZE_DEFINES:+--defines $SANITIZE_DEFINES} 2>&1 \
           | tee $OUT/sanitize-$tool-$m.log | grep -E "tokens|ERROR SUMMARY|hazard|error" | tail -3
       done; done ;;
     bench-persistent)

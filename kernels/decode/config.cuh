@@ -57,6 +57,9 @@
 #ifndef NQ_PD_LOADER_PAGE
 #error "NQ_PD_LOADER_PAGE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
+#ifndef NQ_PD_LOADER_SELF
+#error "NQ_PD_LOADER_SELF: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
 #ifndef NQ_PD_LOADER_L2
 #error "NQ_PD_LOADER_L2: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -167,6 +170,9 @@ struct Config {
                         //   warp rings of this many pages, across instruction boundaries (0: off, every
                         //   warp loads its own) [pd-loader]
   int loader_page;      // NQ_PD_LOADER_PAGE (1..16): layout-3 blocks a loader page
+  bool loader_self;     // NQ_PD_LOADER_SELF (0/1): with the loader's rings, no loader warp: each
+                        //   consumer warp's lane 0 walks its own share of the schedule and issues its
+                        //   ring's next page as it gives one back [pd-loader-self]
   bool loader_l2;       // NQ_PD_LOADER_L2 (0/1): with the loader, keep the L2 prefetches a layer ahead
                         //   (o_proj's share during attention, the next qkv's during down), so that its
                         //   copies read L2 [pd-loader]
@@ -208,6 +214,7 @@ constexpr Config kCfg{
   NQ_PD_HEAD_BLOCKS,
   NQ_PD_LOADER,
   NQ_PD_LOADER_PAGE,
+  NQ_PD_LOADER_SELF != 0,
   NQ_PD_LOADER_L2 != 0,
   NQ_PD_SELF_PREFETCH,
   NQ_PD_EARLY_BLOCKS,
@@ -240,6 +247,7 @@ static_assert(NQ_PD_QKV_LL >= 0 && NQ_PD_QKV_LL <= 1, "NQ_PD_QKV_LL: 0/1");
 static_assert(NQ_PD_HEAD_BLOCKS >= 0 && NQ_PD_HEAD_BLOCKS <= 32, "NQ_PD_HEAD_BLOCKS: 0..32");
 static_assert(NQ_PD_LOADER >= 0 && NQ_PD_LOADER <= 32, "NQ_PD_LOADER: 0..32");
 static_assert(NQ_PD_LOADER_PAGE >= 1 && NQ_PD_LOADER_PAGE <= 16, "NQ_PD_LOADER_PAGE: 1..16");
+static_assert(NQ_PD_LOADER_SELF >= 0 && NQ_PD_LOADER_SELF <= 1, "NQ_PD_LOADER_SELF: 0/1");
 static_assert(NQ_PD_LOADER_L2 >= 0 && NQ_PD_LOADER_L2 <= 1, "NQ_PD_LOADER_L2: 0/1");
 static_assert(NQ_PD_SELF_PREFETCH >= 0 && NQ_PD_SELF_PREFETCH <= 32, "NQ_PD_SELF_PREFETCH: 0..32");
 static_assert(NQ_PD_EARLY_BLOCKS >= 0 && NQ_PD_EARLY_BLOCKS <= 32, "NQ_PD_EARLY_BLOCKS: 0..32");

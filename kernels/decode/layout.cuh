@@ -17,7 +17,12 @@ static_assert(!(kHead > 0 && kSmemRing), "NQ_PD_HEAD_BLOCKS and NQ_PD_SMEM_RING:
 // R pages of NQ_PD_LOADER_PAGE layout-3 blocks for each consumer warp (the kWarps that compute).
 constexpr int kLoaderSlots = kCfg.loader;
 constexpr bool kLoader = kLoaderSlots > 0;
-constexpr int kBlockThreads = kThreads + (kLoader ? 32 : 0);   // the launch's block
+// [pd-loader-self] (NQ_PD_LOADER_SELF, lab): the same rings, and no loader warp: each consumer
+// warp's lane 0 walks its own share of the schedule and issues its ring's next page itself.
+constexpr bool kLoaderSelf = kCfg.loader_self;
+static_assert(!kLoaderSelf || kLoader, "NQ_PD_LOADER_SELF: the loader's rings, without its warp (needs NQ_PD_LOADER)");
+constexpr bool kLoaderWarp = kLoader && !kLoaderSelf;            // one more warp a CTA, the loader
+constexpr int kBlockThreads = kThreads + (kLoaderWarp ? 32 : 0);   // the launch's block
 static_assert(!kCfg.loader_l2 || kLoader, "NQ_PD_LOADER_L2 keeps the loader's L2 prefetches: only with NQ_PD_LOADER");
 // [pd-prefetch]'s L2 prefetches a layer ahead: without the loader, or with it and NQ_PD_LOADER_L2
 constexpr bool kL2Ahead = !kLoader || kCfg.loader_l2;

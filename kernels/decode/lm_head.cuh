@@ -66,7 +66,7 @@ __device__ void head(Ctx& c, int idx, int num_layers, unsigned char* smem, float
     }
   }
   int* token = c.scalars + S_TOKEN * NQ_SCALAR_STRIDE;
-  const bool wrote = nq::argmax_finish<kThreads, kLoader ? 1 : 0>(best, ptr<float>(c.tab, T_ARG_VAL), ptr<int>(c.tab, T_ARG_IDX),
+  const bool wrote = nq::argmax_finish<kThreads, kLoaderWarp ? 1 : 0>(best, ptr<float>(c.tab, T_ARG_VAL), ptr<int>(c.tab, T_ARG_IDX),
                                                  ptr<unsigned>(c.tab, T_ARG_CNT), token);
   if (wrote && threadIdx.x == 0) {                 // engine_step.cu's nq_step_end
     int* s = c.scalars;

@@ -117,9 +117,48 @@ __device__ void loader(const Ctx& c, int first_layer, int last_layer) {
   }
 }
 // [/pd-loader-walk]
+// [pd-loader-self]
+// NQ_PD_LOADER_SELF (lab): the loader warp's walk without the loader warp. A 17th warp has no
+// registers of its own (16 consumer warps at 128 registers are the whole register file), and the
+// loader can only ever issue into a page its consumer has just given back. So the consumer
+// warp's lane 0, as it gives a page back, issues the next page of its own schedule into that
+// page itself (the loader's Cursor, kept in shared memory, crossing instruction and layer
+// boundaries as the loader's does), and at the launch's start it issues its ring's first R
+// pages. The same pages, in the same order, into the same slots as the loader warp's: the same
+// bits. No empty barriers: the warp that frees a page is the one that fills it.
+// A call, not inlined, made by lane 0 alone: the walk's registers are not added to the GEMV
+// loop's (inlined, the loop spills), and the caller's Ctx stays in registers (only what the walk
+// reads is passed).
+__device__ __noinline__ void self_issue_page(const long long* tab, unsigned char* ring, uint64_t* full,
+                                             Cursor* cur, int first_layer, int k_end, bool after_reads) {
+  Ctx c;                                               // what issue_page and seek read
+  c.tab = tab;
+  c.ld_ring = ring;
+  c.ld_full = full;
+  const int warp = threadIdx.x >> 5;
+  Cursor q = cur[warp];
+  if (q.k >= k_end) return;                            // the launch's schedule is all issued
+  if (after_reads) hopper::fence_proxy_async_smem();   // the lanes' reads of the page before the copy overwrites it
+  issue_page(q, c, warp);
+  if (q.left == 0) { ++q.k; seek(q, c, first_layer, k_end, warp); }
+  cur[warp] = q;
+}
+__device__ __forceinline__ void self_issue(const Ctx& c, bool after_reads) {
+  self_issue_page(c.tab, c.ld_ring, c.ld_full, c.ld_cur, c.first_layer, c.ld_k_end, after_reads);
+}
+// Lane 0 of consumer warp `warp`, at the launch's start: its place, then its ring's first pages.
+__device__ __forceinline__ void self_start(Ctx& c, int warp) {
+  Cursor q;
+  q.k = 0;
+  q.n = 0;
+  seek(q, c, c.first_layer, c.ld_k_end, warp);
+  c.ld_cur[warp] = q;
+  for (int i = 0; i < kLoaderSlots; ++i) self_issue(c, false);
+}
+// [/pd-loader-self]
 // A consumer warp, all lanes: block j of its range (b - b0) from its ring into registers. At a
 // page's first block, wait for the page; after its last (or the range's last), give it back
-// (lane 0 arrives once every lane has read it).
+// (lane 0 arrives once every lane has read it; [pd-loader-self]: lane 0 refills it).
 __device__ __forceinline__ void ring_take(Ctx& c, nqs3::Slot& r, int warp, int lane, int j, bool last) {
   const int i = j % kPageBlocks;
   const unsigned s = warp * kLoaderSlots + c.ld_n % kLoaderSlots;
@@ -127,7 +166,10 @@ __device__ __forceinline__ void ring_take(Ctx& c, nqs3::Slot& r, int warp, int l
   nqs3::read_slot(r, c.ld_ring + (size_t)s * kPageBytes + i * nqs3::kBlockBytes, lane);
   if (i == kPageBlocks - 1 || last) {
     __syncwarp();                                                // every lane has read the page
-    if (lane == 0) hopper::mbar_arrive(c.ld_empty + s);
+    if (lane == 0) {
+      if constexpr (kLoaderSelf) self_issue(c, true);
+      else hopper::mbar_arrive(c.ld_empty + s);
+    }
     ++c.ld_n;
   }
 }

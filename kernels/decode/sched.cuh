@@ -6,10 +6,10 @@
 
 namespace pd {
 
-// The consumers' CTA barrier: every thread (__syncthreads), or with the loader, which never
+// The consumers' CTA barrier: every thread (__syncthreads), or with the loader warp, which never
 // takes part, named barrier 1 over the kThreads consumer threads.
 __device__ __forceinline__ void cta_sync() {
-  if constexpr (kLoader) asm volatile("bar.sync 1, %0;" :: "n"(kThreads) : "memory");
+  if constexpr (kLoaderWarp) asm volatile("bar.sync 1, %0;" :: "n"(kThreads) : "memory");
   else __syncthreads();
 }
 
@@ -70,6 +70,7 @@ template <class T> __device__ __forceinline__ T* ptr(const long long* tab, int i
   return reinterpret_cast<T*>(tab[i]);
 }
 
+struct Cursor;   // [pd-loader]'s place in a warp's schedule (loader.cuh)
 struct Ctx {
   const long long* tab;
   int* scalars;
@@ -93,6 +94,8 @@ struct Ctx {
   uint64_t* ld_full;        // and how many blocks this warp has taken from its ring
   uint64_t* ld_empty;
   unsigned ld_n;
+  struct Cursor* ld_cur;    // [pd-loader-self]: each warp's place in its schedule (shared memory)
+  int ld_k_end;             // ... and where the launch's schedule ends
 };
 
 // ---- dependencies ----------------------------------------------------------------------

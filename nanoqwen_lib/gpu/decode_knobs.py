@@ -87,6 +87,9 @@ KNOBS = (
          "instruction boundaries (0: off, every warp loads its own) [pd-loader]"),
     Knob("NQ_PD_LOADER_PAGE", "loader_page", "int", 1, 16, "lab",
          "layout-3 blocks a loader page"),
+    Knob("NQ_PD_LOADER_SELF", "loader_self", "bool", 0, 1, "lab",
+         "with the loader's rings, no loader warp: each consumer warp's lane 0 walks its own share of "
+         "the schedule and issues its ring's next page as it gives one back [pd-loader-self]"),
     Knob("NQ_PD_LOADER_L2", "loader_l2", "bool", 0, 1, "lab",
          "with the loader, keep the L2 prefetches a layer ahead (o_proj's share during attention, "
          "the next qkv's during down), so that its copies read L2 [pd-loader]"),
@@ -136,4 +139,8 @@ def check(defines: dict, source, field: str = "") -> None:
 # 16 consumers), each consumer's ring 5 pages of 2 blocks (the fastest ring of PERFLOG's "the
 # loader warp, built and measured"), without and with the default's L2 prefetches a layer ahead.
 LOADER = {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 5, "NQ_PD_LOADER_PAGE": 2}
-LOADER_BUILDS = {"loader warp": LOADER, "loader warp, L2 a layer ahead": dict(LOADER, NQ_PD_LOADER_L2=1)}
+# [pd-loader-self]: the same rings without the loader warp, filled by the 16 consumers themselves;
+# 4 pages of 2 blocks a warp, the deepest ring of 2-block pages that fits 227 KiB beside the staging.
+LOADER_SELF = {"NQ_PD_LOADER": 4, "NQ_PD_LOADER_PAGE": 2, "NQ_PD_LOADER_SELF": 1}
+LOADER_BUILDS = {"loader warp": LOADER, "loader warp, L2 a layer ahead": dict(LOADER, NQ_PD_LOADER_L2=1),
+                 "consumers load their own rings": LOADER_SELF}

@@ -111,6 +111,14 @@ def check_smem(dims: ModelDims, plan: dict, defines: dict | None = None, static:
     return dyn
 
 
+def block_threads(defines: dict | None = None) -> int:
+    """The kernel's block (its kBlockThreads): 32 x the consumer warps, and one more warp, the
+    loader, with NQ_PD_LOADER ([pd-loader]) unless the consumers load themselves
+    (NQ_PD_LOADER_SELF, [pd-loader-self])."""
+    t = dict(TUNING, **(defines or {}))
+    return 32 * (t["NQ_PD_WARPS"] + (t["NQ_PD_LOADER"] > 0 and not t["NQ_PD_LOADER_SELF"]))
+
+
 def instructions(num_layers: int) -> int:
     """Instructions of one full step: begin, 5 per layer, head, end (the timeline's rows)."""
     return 5 * num_layers + 3
@@ -188,7 +196,7 @@ class PersistentStep:
         check_smem(dims, self.plan, self.defines)       # before the build: a ring that cannot fit
         self.kernel = load_module(KERNEL, dims, self.defines).get_function("nq_decode_persistent")
         t = dict(TUNING, **self.defines)
-        self.threads = 32 * (t["NQ_PD_WARPS"] + (t["NQ_PD_LOADER"] > 0))   # [pd-loader]: one more warp
+        self.threads = block_threads(self.defines)     # [pd-loader]: with the loader warp, one more
         self.smem = check_smem(dims, self.plan, self.defines, static=self.kernel.shared_size_bytes)
         self.kernel.max_dynamic_shared_size_bytes = self.smem
         if residency:
