@@ -16,7 +16,8 @@ warp ([pd-loader]) at several ring depths, `--variants loader-bounds` the bounds
 default and of chapter 10's loader build (gpu.decode_knobs.LOADER) in one run, `--variants slices`
 down's per-slice counters ([pd-down-slices]) with and without the loader, twice, `--variants self`
 the consumers filling their own rings ([pd-loader-self]) at several depths beside the default and
-the loader warp, `--variants self-bounds` the bounds' builds of the default and of that build.
+the loader warp, `--variants self-bounds` the bounds' builds of the default and of that build,
+`--variants qkv-split` qkv in 132 units of whole tiles (no fold) and in 66 x 2 beside the default.
 """
 from __future__ import annotations
 
@@ -72,15 +73,15 @@ HEAD = ";".join([                                        # [pd-head]: gate_up's 
     "", "NQ_PD_HEAD_BLOCKS=2", "NQ_PD_HEAD_BLOCKS=4", "NQ_PD_HEAD_BLOCKS=6", "NQ_PD_HEAD_BLOCKS=8",
     "", "NQ_PD_HEAD_BLOCKS=4",
 ])
+LOADER_BUILD = ",".join(f"{k}={v}" for k, v in decode_knobs.LOADER.items())   # chapter 10's loader build (R5 x P2)
 LOADER = ";".join([                                      # [pd-loader]: a loader warp fills per-warp rings across instructions
     "", "NQ_PD_WARPS=15",                                # the default, and its 15 consumer warps without a loader
     "NQ_PD_WARPS=15,NQ_PD_LOADER=10",                   # pages of one block
-    "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2", "NQ_PD_WARPS=15,NQ_PD_LOADER=3,NQ_PD_LOADER_PAGE=3",
+    LOADER_BUILD, "NQ_PD_WARPS=15,NQ_PD_LOADER=3,NQ_PD_LOADER_PAGE=3",
     "NQ_PD_WARPS=15,NQ_PD_LOADER=2,NQ_PD_LOADER_PAGE=5",
-    "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1",   # ... its copies reading L2
-    "", "NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2",
+    LOADER_BUILD + ",NQ_PD_LOADER_L2=1",                # ... its copies reading L2
+    "", LOADER_BUILD,
 ])
-LOADER_BUILD = ",".join(f"{k}={v}" for k, v in decode_knobs.LOADER.items())   # chapter 10's loader build
 LOADER_BOUNDS = ";".join(                                 # the decomposition of v10 and of the loader build, one run
     BOUNDS.split(";")[:-1] + [",".join(x for x in (LOADER_BUILD, v) if x) for v in BOUNDS.split(";")[:-1]])
 SLICES = ";".join([                                      # [pd-down-slices]: down waits for its K slice of gate_up only
@@ -95,8 +96,12 @@ SELF = ";".join([                                        # [pd-loader-self]: the
 ])
 SELF_BOUNDS = ";".join(                                   # the decomposition of v10 and of the self-loading build, one run
     BOUNDS.split(";")[:-1] + [",".join(x for x in (SELF_BUILD, v) if x) for v in BOUNDS.split(";")[:-1]])
+QKV_SPLIT = ";".join([                                   # qkv without its split-K fold: 132 units of 2-3 whole tiles
+    "", "NQ_PD_QKV_TG=132,NQ_PD_QKV_KS=1", "NQ_PD_QKV_TG=66,NQ_PD_QKV_KS=2", "", "NQ_PD_QKV_TG=132,NQ_PD_QKV_KS=1",
+])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
-        "loader-bounds": LOADER_BOUNDS, "slices": SLICES, "self": SELF, "self-bounds": SELF_BOUNDS}
+        "loader-bounds": LOADER_BOUNDS, "slices": SLICES, "self": SELF, "self-bounds": SELF_BOUNDS,
+        "qkv-split": QKV_SPLIT}
 
 
 def parse(spec: str) -> list[dict]:

@@ -118,10 +118,18 @@ __device__ __forceinline__ void spin_until(const Ctx& c, const unsigned* p, unsi
     if ((spin & 63) == 63 && timed_out(err, t0)) break;
   acquired();
 }
-__device__ __forceinline__ void wait_inputs(Ctx& c) {
+// Thread 0: the whole previous instruction done (the caller's next CTA barrier passes it on).
+__device__ __forceinline__ void wait_prev_thread0(const Ctx& c) {
   if (threadIdx.x == 0 && c.prev >= 0) spin_until(c, c.sync + c.prev, c.prev_target);
+}
+// All threads, after thread 0's wait: the inputs are complete (and, in the timeline, when).
+__device__ __forceinline__ void inputs_ready(Ctx& c) {
   cta_sync();   // all threads: the inputs of this instruction are complete
   if (kCfg.timeline && threadIdx.x == 0) c.t_ready = now_ns();
+}
+__device__ __forceinline__ void wait_inputs(Ctx& c) {
+  wait_prev_thread0(c);
+  inputs_ready(c);
 }
 // All threads, after the CTA's last write of instruction `idx`: publish it (arrive = false:
 // a CTA that took no part, as every CTA but 0 in `begin`, only records and moves on). The
@@ -154,12 +162,7 @@ __device__ __forceinline__ void signal_done(Ctx& c, int idx, int layer, int kind
 __device__ __forceinline__ void wait_slice(Ctx& c, int layer, int s, bool live) {
   if (threadIdx.x == 0 && live)
     spin_until(c, ptr<unsigned>(c.tab, T_SLICE_CNT) + layer * kDown.KS + s, slice_target(s));
-  cta_sync();   // all threads: this unit's slice of the input is complete
-  if (kCfg.timeline && threadIdx.x == 0) c.t_ready = now_ns();
-}
-// Thread 0: the whole previous instruction done (the caller's next CTA barrier passes it on).
-__device__ __forceinline__ void wait_prev_thread0(const Ctx& c) {
-  if (threadIdx.x == 0 && c.prev >= 0) spin_until(c, c.sync + c.prev, c.prev_target);
+  inputs_ready(c);   // all threads: this unit's slice of the input is complete
 }
 // [/pd-wait]
 // NQ_PD_PROBE > 0 (lab build, tools/bench_persistent.py --probe): thread 0 of every CTA

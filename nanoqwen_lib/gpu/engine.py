@@ -246,7 +246,6 @@ class GpuBackend:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.prefill_mode = prefill
         self.use_graphs, self.graphs = graphs, None
-        self._steps = {}                 # new_page -> the step's launch list (enqueue_step)
         if decode == "persistent":
             from nanoqwen_lib.gpu.persistent import PersistentStep
             PersistentStep.upload_streams(a, dims, nq_file)
@@ -271,7 +270,7 @@ class GpuBackend:
         if not isinstance(step, DecodeStep):
             raise TypeError(f"GpuBackend.step: a gpu.decode_step.DecodeStep, not {type(step).__name__}")
         self._step = step
-        self._steps = {}
+        self._steps = {}                 # new_page -> the step's launch list (enqueue_step)
         if self.graphs is not None:
             self._capture()
 
