@@ -218,17 +218,20 @@ def main() -> int:
         if best is None or ms < best[1]:
             best = (v, ms, summary)
     print(f"fastest: {best[0]} {best[1]:.4f} ms", flush=True)
-    if a.probe:
-        probe(eng, prompt, dict(best[0], NQ_PD_PROBE=a.probe))
     summary = best[2]
     if summary is None:                                         # (with --timelines it was taken above)
         eng.pd = PersistentStep(eng, defines=best[0])
         summary = timeline_token(eng, prompt, steps=4)["summary"]
     print(format_summary(summary))
     cp.cuda.Device().synchronize()
-    if a.json:
+    if a.json:                                                  # (before the probe: the rows are the run's result)
         a.json.write_text(json.dumps({"steps": a.steps, "rows": rows, "fastest": best[:2], "timeline": summary}, indent=1,
                                      default=str))
+    # The probe stamps qkv and attention: of the fastest build that runs them (a [pd-skip] build
+    # may skip both: then the fastest build that skips nothing).
+    decoding = [r for r in rows if "ms" in r and not r["variant"].get("NQ_PD_SKIP")]
+    if a.probe and decoding:
+        probe(eng, prompt, dict(min(decoding, key=lambda r: r["ms"])["variant"], NQ_PD_PROBE=a.probe))
     return 0
 
 
