@@ -117,6 +117,13 @@ POINTS = {0: "qkv begin", 1: "qkv ready", 2: "qkv staged", 3: "qkv summed", 4: "
           10: "attn merged (last)", 11: "attn signalled"}
 
 
+def probe_build(rows: list[dict]) -> dict | None:
+    """The build the probe stamps: the fastest row that decodes (a [pd-skip] build may skip qkv
+    and attention, whose steps the probe stamps; a row with an error has no time), or None."""
+    decoding = [r for r in rows if "ms" in r and not r["variant"].get("NQ_PD_SKIP")]
+    return min(decoding, key=lambda r: r["ms"])["variant"] if decoding else None
+
+
 def probe(eng, prompt, defines) -> None:
     """The stamps of one step of the probe build: per point, min / median / max over the CTAs
     that reached it, in us from the earliest qkv begin."""
@@ -229,9 +236,8 @@ def main() -> int:
                                      default=str))
     # The probe stamps qkv and attention: of the fastest build that runs them (a [pd-skip] build
     # may skip both: then the fastest build that skips nothing).
-    decoding = [r for r in rows if "ms" in r and not r["variant"].get("NQ_PD_SKIP")]
-    if a.probe and decoding:
-        probe(eng, prompt, dict(min(decoding, key=lambda r: r["ms"])["variant"], NQ_PD_PROBE=a.probe))
+    if a.probe and (pb := probe_build(rows)) is not None:
+        probe(eng, prompt, dict(pb, NQ_PD_PROBE=a.probe))
     return 0
 
 
