@@ -137,6 +137,22 @@ def test_plan_of_the_7b_on_132_sms():
         "NQ_PD_GU_TG": 132, "NQ_PD_GU_KS": 1, "NQ_PD_DOWN_TG": 33, "NQ_PD_DOWN_KS": 4}
 
 
+@pytest.mark.parametrize("tbps", [3.13, 4.5])     # an H100 SXM's budget (3.35 TB/s x 0.935), the H200's
+def test_the_fold_cost_sits_between_its_two_measurements(tbps):
+    """nanoqwen.yaml engine.persistent.reduce_ns is bounded by two measured splits (PERFLOG,
+    "the fold's cost, calibrated"): qkv's fold lost on an H100 (so qkv plans whole tiles there
+    too), down's won on the H200 (so down keeps its four K slices on both)."""
+    from dataclasses import replace
+    from nanoqwen_lib.gpu.hardware import design_target
+    dims, hw = load().models["7b"], replace(design_target(), read_tbps=tbps)
+    block, share = 1056, hw.sm_bytes_per_ns
+    fold = load().engine.persistent["reduce_ns"]
+    assert (84 - 63) * block / 23.7 < fold < (296 - 259) * block / (4.5e3 / 132)   # blocks a unit: KS 1 vs 4
+    plan = persistent_plan(dims, 132, hw=hw)
+    assert (plan["NQ_PD_QKV_TG"], plan["NQ_PD_QKV_KS"]) == (132, 1), share
+    assert (plan["NQ_PD_DOWN_TG"], plan["NQ_PD_DOWN_KS"]) == (33, 4), share
+
+
 @pytest.mark.parametrize("model", ["7b", "tiny", "tiny-hd64"])
 def test_shared_memory_fits_an_sm(model):
     dims = load().models[model]

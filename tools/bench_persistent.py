@@ -17,7 +17,10 @@ default and of chapter 10's loader build (gpu.decode_knobs.LOADER) in one run, `
 down's per-slice counters ([pd-down-slices]) with and without the loader, twice, `--variants self`
 the consumers filling their own rings ([pd-loader-self]) at several depths beside the default and
 the loader warp, `--variants self-bounds` the bounds' builds of the default and of that build,
-`--variants qkv-split` qkv in 132 units of whole tiles (no fold) and in 66 x 2 beside the default.
+`--variants qkv-split` qkv in 132 units of whole tiles (no fold) and in 66 x 2 beside the default,
+`--variants folds` the measurements that bound the planner's fold cost (nanoqwen.yaml
+engine.persistent.reduce_ns): down in 132 units of whole tiles (no fold) and in 66 x 2 beside the
+default's 33 x 4, and qkv in 33 x 4 (the plan an H100 made with the old figure), twice each.
 """
 from __future__ import annotations
 
@@ -99,9 +102,13 @@ SELF_BOUNDS = ";".join(                                   # the decomposition of
 QKV_SPLIT = ";".join([                                   # qkv without its split-K fold: 132 units of 2-3 whole tiles
     "", "NQ_PD_QKV_TG=132,NQ_PD_QKV_KS=1", "NQ_PD_QKV_TG=66,NQ_PD_QKV_KS=2", "", "NQ_PD_QKV_TG=132,NQ_PD_QKV_KS=1",
 ])
+FOLDS = ";".join([                                       # a fold against the imbalance it removes (planner: reduce_ns)
+    "", "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1", "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2", "NQ_PD_QKV_TG=33,NQ_PD_QKV_KS=4",
+    "", "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1", "NQ_PD_QKV_TG=33,NQ_PD_QKV_KS=4",
+])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
         "loader-bounds": LOADER_BOUNDS, "slices": SLICES, "self": SELF, "self-bounds": SELF_BOUNDS,
-        "qkv-split": QKV_SPLIT}
+        "qkv-split": QKV_SPLIT, "folds": FOLDS}
 
 
 def parse(spec: str) -> list[dict]:

@@ -54,9 +54,9 @@ __device__ __forceinline__ bool range_start(Cursor& q, const unsigned char* w, i
   return q.left > 0;
 }
 // Move q to the first instruction from q.k on with blocks for warp wl (q.k = kEnd: none left).
-__device__ __forceinline__ void seek(Cursor& q, const Ctx& c, int first_layer, int k_end, int wl) {
+__device__ __forceinline__ void seek(Cursor& q, const long long* tab, int first_layer, int k_end, int wl) {
   for (; q.k < k_end; ++q.k) {
-    const long long* lt = c.tab + kLayerBase + kLayerStride * (first_layer + q.k / 4);
+    const long long* lt = tab + kLayerBase + kLayerStride * (first_layer + q.k / 4);
     const int m = q.k % 4;
     if (m == 0 && !skipped(K_QKV) &&
         range_start<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(q, ptr<const unsigned char>(lt, L_QKV), wl)) return;
@@ -67,17 +67,18 @@ __device__ __forceinline__ void seek(Cursor& q, const Ctx& c, int first_layer, i
         range_start<kDown.N, kDown.K, kDown.TG, kDown.KS>(q, ptr<const unsigned char>(lt, L_DOWN), wl)) return;
   }
 }
-// Page q.n of warp wl's ring: its next min(P, left) blocks, runs of adjacent blocks one copy each.
-__device__ __forceinline__ void issue_page(Cursor& q, const Ctx& c, int wl) {
+// Page q.n of warp wl's ring (the rings' pages and their full barriers): its next min(P, left)
+// blocks, runs of adjacent blocks one copy each.
+__device__ __forceinline__ void issue_page(Cursor& q, unsigned char* ring, uint64_t* full, int wl) {
   const int nb = min(kPageBlocks, q.left);
   const unsigned s = wl * kLoaderSlots + q.n % kLoaderSlots;
-  unsigned char* dst = c.ld_ring + (size_t)s * kPageBytes;
-  hopper::mbar_arrive_expect_tx(c.ld_full + s, nb * nqs3::kBlockBytes);
+  unsigned char* dst = ring + (size_t)s * kPageBytes;
+  hopper::mbar_arrive_expect_tx(full + s, nb * nqs3::kBlockBytes);
   const unsigned char* run = q.lp;
   int run_blocks = 0;
   for (int i = 0; i < nb; ++i) {
     if (run_blocks > 0 && q.lp != run + run_blocks * nqs3::kBlockBytes) {   // not adjacent: the run so far
-      hopper::bulk_copy_g2s(dst, run, run_blocks * nqs3::kBlockBytes, c.ld_full + s);
+      hopper::bulk_copy_g2s(dst, run, run_blocks * nqs3::kBlockBytes, full + s);
       dst += run_blocks * nqs3::kBlockBytes;
       run = q.lp;
       run_blocks = 0;
@@ -86,7 +87,7 @@ __device__ __forceinline__ void issue_page(Cursor& q, const Ctx& c, int wl) {
     q.lp += nqs3::kBlockBytes;
     if (++q.lg == q.ng) { q.lg = 0; q.lp += q.skip; }
   }
-  hopper::bulk_copy_g2s(dst, run, run_blocks * nqs3::kBlockBytes, c.ld_full + s);
+  hopper::bulk_copy_g2s(dst, run, run_blocks * nqs3::kBlockBytes, full + s);
   q.left -= nb;
   ++q.n;
 }
@@ -99,7 +100,7 @@ __device__ void loader(const Ctx& c, int first_layer, int last_layer) {
   Cursor q;
   q.k = lane < kWarps ? 0 : k_end;
   q.n = 0;
-  seek(q, c, first_layer, k_end, lane);
+  seek(q, c.tab, first_layer, k_end, lane);
   volatile int* err = c.scalars + S_ERROR * NQ_SCALAR_STRIDE;
   unsigned long long t0 = now_ns();
   for (int idle = 0; __any_sync(0xffffffffu, q.k < k_end);) {
@@ -107,8 +108,8 @@ __device__ void loader(const Ctx& c, int first_layer, int last_layer) {
     if (q.k < k_end) {
       const unsigned s = lane * kLoaderSlots + q.n % kLoaderSlots;
       if (hopper::mbar_try(c.ld_empty + s, ((q.n / kLoaderSlots) & 1u) ^ 1u)) {   // use 0 of a page: free at once
-        issue_page(q, c, lane);
-        if (q.left == 0) { ++q.k; seek(q, c, first_layer, k_end, lane); }
+        issue_page(q, c.ld_ring, c.ld_full, lane);
+        if (q.left == 0) { ++q.k; seek(q, c.tab, first_layer, k_end, lane); }
         issued = true;
       }
     }
@@ -131,16 +132,12 @@ __device__ void loader(const Ctx& c, int first_layer, int last_layer) {
 // reads is passed).
 __device__ __noinline__ void self_issue_page(const long long* tab, unsigned char* ring, uint64_t* full,
                                              Cursor* cur, int first_layer, int k_end, bool after_reads) {
-  Ctx c;                                               // what issue_page and seek read
-  c.tab = tab;
-  c.ld_ring = ring;
-  c.ld_full = full;
   const int warp = threadIdx.x >> 5;
   Cursor q = cur[warp];
   if (q.k >= k_end) return;                            // the launch's schedule is all issued
   if (after_reads) hopper::fence_proxy_async_smem();   // the lanes' reads of the page before the copy overwrites it
-  issue_page(q, c, warp);
-  if (q.left == 0) { ++q.k; seek(q, c, first_layer, k_end, warp); }
+  issue_page(q, ring, full, warp);
+  if (q.left == 0) { ++q.k; seek(q, tab, first_layer, k_end, warp); }
   cur[warp] = q;
 }
 __device__ __forceinline__ void self_issue(const Ctx& c, bool after_reads) {
@@ -151,7 +148,7 @@ __device__ __forceinline__ void self_start(Ctx& c, int warp) {
   Cursor q;
   q.k = 0;
   q.n = 0;
-  seek(q, c, c.first_layer, c.ld_k_end, warp);
+  seek(q, c.tab, c.first_layer, c.ld_k_end, warp);
   c.ld_cur[warp] = q;
   for (int i = 0; i < kLoaderSlots; ++i) self_issue(c, false);
 }
