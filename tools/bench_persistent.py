@@ -20,7 +20,8 @@ the loader warp, `--variants self-bounds` the bounds' builds of the default and 
 `--variants qkv-split` qkv in 132 units of whole tiles (no fold) and in 66 x 2 beside the default,
 `--variants folds` the measurements that bound the planner's fold cost (nanoqwen.yaml
 engine.persistent.reduce_ns): down in 132 units of whole tiles (no fold) and in 66 x 2 beside the
-default's 33 x 4, and qkv in 33 x 4 (the plan an H100 made with the old figure), twice each.
+default's 33 x 4, and qkv in 33 x 4 (the plan an H100 made with the old figure); the default and
+down 132 x 1 twice.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ QKV_SPLIT = ";".join([                                   # qkv without its split
 ])
 FOLDS = ";".join([                                       # a fold against the imbalance it removes (planner: reduce_ns)
     "", "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1", "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2", "NQ_PD_QKV_TG=33,NQ_PD_QKV_KS=4",
-    "", "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1", "NQ_PD_QKV_TG=33,NQ_PD_QKV_KS=4",
+    "", "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1",
 ])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
         "loader-bounds": LOADER_BOUNDS, "slices": SLICES, "self": SELF, "self-bounds": SELF_BOUNDS,
