@@ -21,7 +21,10 @@ the loader warp, `--variants self-bounds` the bounds' builds of the default and 
 `--variants folds` the measurements that bound the planner's fold cost (nanoqwen.yaml
 engine.persistent.reduce_ns): down in 132 units of whole tiles (no fold) and in 66 x 2 beside the
 default's 33 x 4, and qkv in 33 x 4 (the plan an H100 made with the old figure); the default and
-down 132 x 1 twice.
+down 132 x 1 twice; `--variants rings` the builds that keep more bytes in flight than the default's
+two blocks a warp in registers (~33 KiB an SM: enough for an H100's share of the bandwidth at
+~1.4 us of loaded latency, not for an H200's) beside it: the loader warp, the consumers filling
+their own rings, the loader warp's 3 x 3 ring; the default and the loader warp twice.
 """
 from __future__ import annotations
 
@@ -107,9 +110,13 @@ FOLDS = ";".join([                                       # a fold against the im
     "", "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1", "NQ_PD_DOWN_TG=66,NQ_PD_DOWN_KS=2", "NQ_PD_QKV_TG=33,NQ_PD_QKV_KS=4",
     "", "NQ_PD_DOWN_TG=132,NQ_PD_DOWN_KS=1",
 ])
+RINGS = ";".join([                                       # bytes in flight an SM: the default's 33 KiB against more
+    "", LOADER_BUILD, SELF_BUILD, "NQ_PD_WARPS=15,NQ_PD_LOADER=3,NQ_PD_LOADER_PAGE=3",
+    "", LOADER_BUILD,
+])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
         "loader-bounds": LOADER_BOUNDS, "slices": SLICES, "self": SELF, "self-bounds": SELF_BOUNDS,
-        "qkv-split": QKV_SPLIT, "folds": FOLDS}
+        "qkv-split": QKV_SPLIT, "folds": FOLDS, "rings": RINGS}
 
 
 def parse(spec: str) -> list[dict]:
