@@ -67,6 +67,33 @@ def test_a_changed_path_makes_it_stale(tmp_path, edit, changed):
     assert r.banner() == f"record r.json: STALE: measured at {r.commit[:7]}; changed since: {', '.join(changed)}"
 
 
+def test_a_yaml_file_measured_without_a_section(tmp_path):
+    """"FILE (without a.b)": a change inside a.b (or to a comment) leaves the record fresh, a
+    change anywhere else makes it stale; a key the file does not have is refused by name."""
+    (tmp_path / "c.yaml").write_text("engine:\n  persistent: {reduce_ns: 800.0}\n  chunk: 512\ntuning: {a: 1}\n")
+    spec = records.without("c.yaml", "engine.persistent")
+    assert spec == "c.yaml (without engine.persistent)"
+    p = tmp_path / "r.json"
+    records.write(p, {"ms": 1.0}, [spec, "c.yaml"], root=tmp_path)
+    (tmp_path / "c.yaml").write_text("# a comment\nengine:\n  persistent: {reduce_ns: 1000.0}\n  chunk: 512\ntuning: {a: 1}\n")
+    assert records.load(p, root=tmp_path).changed == ["c.yaml"]            # the whole file changed, the rest did not
+    (tmp_path / "c.yaml").write_text("engine:\n  persistent: {reduce_ns: 800.0}\n  chunk: 256\ntuning: {a: 1}\n")
+    assert records.load(p, root=tmp_path).changed == [spec, "c.yaml"]
+    with pytest.raises(NanoqwenError, match=r"c.yaml: engine.missing"):
+        records.write(p, {"ms": 1.0}, [records.without("c.yaml", "engine.missing")], root=tmp_path)
+
+
+def test_the_graph_step_records_do_not_measure_the_persistent_config():
+    """bench-int4 and bench-fp8 (the kernel-per-op graph) measure the config without what only
+    the persistent step reads; the persistent step's records measure all of it."""
+    spec = records.without("nanoqwen_lib/nanoqwen.yaml", "engine.persistent", "tuning.decode_persistent")
+    for name in ("bench-int4.json", "bench-fp8.json"):
+        assert spec in records.MEASURES[name] and "nanoqwen_lib/nanoqwen.yaml" not in records.MEASURES[name]
+    for name in ("persistent.json", "scoreboard.json", "persistent-variants.json"):
+        assert "nanoqwen_lib/nanoqwen.yaml" in records.MEASURES[name] and spec not in records.MEASURES[name]
+    assert records.digest(spec) is not None and records.digest(spec) != records.digest("nanoqwen_lib/nanoqwen.yaml")
+
+
 def test_ignored_files_do_not_count(tmp_path):
     root = _tree(tmp_path)
     p = root / "r.json"
@@ -119,6 +146,10 @@ def test_digest_at_a_commit_equals_digest_of_that_tree():
         pytest.skip("kernels/ or errors.py differ from HEAD here: " + dirty.splitlines()[0])
     for path in ("kernels", "nanoqwen_lib/errors.py"):
         assert records.digest_at("HEAD", path) == records.digest(path)
+    if not subprocess.run(["git", "status", "--porcelain", "--", "nanoqwen_lib/nanoqwen.yaml"], cwd=ROOT,
+                          capture_output=True, text=True).stdout.strip():
+        spec = records.without("nanoqwen_lib/nanoqwen.yaml", "engine.persistent")
+        assert records.digest_at("HEAD", spec) == records.digest(spec)
 
 
 def test_band():

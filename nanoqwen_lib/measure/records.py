@@ -13,13 +13,17 @@ tree without history.
 
 A measured path is a file or a folder, relative to the repository. A folder's hash covers
 its files in sorted order (path and bytes), leaving out what git ignores here: __pycache__,
-*.pyc, *.egg-info, hidden files and folders.
+*.pyc, *.egg-info, hidden files and folders. A YAML file can be measured less some of its
+sections, "FILE (without a.b, c)" (`without`): its parsed content with those keys removed,
+hashed as canonical JSON, so that a record of the graph step does not go stale when only the
+persistent step's planning figures change (and the comments of the file never count).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +38,21 @@ FIELD = "provenance"
 
 # What each record measures: the kernels and modules whose speed or outputs it holds (its
 # writer passes the same list to write()). Shared pieces first.
+_WITHOUT_RE = re.compile(r"^(?P<file>\S+) \(without (?P<keys>[\w.]+(?:, [\w.]+)*)\)$")
+
+
+def without(path: str, *keys: str) -> str:
+    """The measured path "path (without k1, k2)": a YAML file less the sections named by
+    dotted keys (each must exist, or the digest is refused)."""
+    return f"{path} (without {', '.join(keys)})"
+
+
 _K_COMMON = ["kernels/common.cuh", "kernels/hopper.cuh", "kernels/argmax.cuh", "kernels/rowops.cuh"]
-_PLAN = ["nanoqwen_lib/config.py", "nanoqwen_lib/nanoqwen.yaml",          # kernels' defines, protocol
+_CONFIG = "nanoqwen_lib/nanoqwen.yaml"
+_PERSISTENT_CONFIG = ("engine.persistent", "tuning.decode_persistent")   # what only the persistent step reads
+_PLAN = ["nanoqwen_lib/config.py", _CONFIG,                                # kernels' defines, protocol
          "nanoqwen_lib/gpu/hardware.py"]                                    # what the planners plan for
+_PLAN_GRAPH = [without(p, *_PERSISTENT_CONFIG) if p == _CONFIG else p for p in _PLAN]   # ... of a graph-step record
 _GRAPH_STEP = ["kernels/decode_contract.cuh", "nanoqwen_lib/gpu/decode_contract.py",   # the step's host-device contract
                "kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/decode_ops.cu",
                "kernels/paged_attention.cu", "kernels/rope_append.cu", "kernels/lm_head.cu",
@@ -59,9 +75,17 @@ PEERS = ["nanoqwen_lib/measure/peers.py", "nanoqwen_lib/measure/peers_torch.py",
           "nanoqwen_lib/measure/peers_hf.py", "nanoqwen_lib/measure/peer_check.py"]
 
 # `nanoqwen bench --json`, by what it ran
-BENCH_INT4 = _K_COMMON + _PLAN + _GRAPH_STEP + _PREFILL_INT4 + _BENCH            # kernel-per-op graph decode
-BENCH_PERSISTENT = BENCH_INT4 + [p for p in PERSISTENT + ["nanoqwen_lib/measure/timeline.py"] if p not in BENCH_INT4]
-BENCH_FP8 = _K_COMMON + _PLAN + _GRAPH_STEP + _FP8 + ["kernels/prefill_attention.cu"] + _OPS_PREFILL + _BENCH
+BENCH_INT4 = _K_COMMON + _PLAN_GRAPH + _GRAPH_STEP + _PREFILL_INT4 + _BENCH      # kernel-per-op graph decode
+
+
+def _with_persistent(measures: list[str]) -> list[str]:
+    """A graph-step list made a persistent-step one: the whole config, the persistent kernel."""
+    out = [_CONFIG if p.startswith(_CONFIG + " ") else p for p in measures]
+    return out + [p for p in PERSISTENT + ["nanoqwen_lib/measure/timeline.py"] if p not in out]
+
+
+BENCH_PERSISTENT = _with_persistent(BENCH_INT4)
+BENCH_FP8 = _K_COMMON + _PLAN_GRAPH + _GRAPH_STEP + _FP8 + ["kernels/prefill_attention.cu"] + _OPS_PREFILL + _BENCH
 MEASURES = {   # book/data/<name> -> what it measures
     "persistent.json": BENCH_PERSISTENT,
     "persistent-variants.json": _K_COMMON + _PLAN + PERSISTENT + ["nanoqwen_lib/measure/timeline.py",
@@ -91,7 +115,7 @@ def measures_for_bench(decode: str = "graph", encoding: str = "int4", peers: boo
                             f"decode {decode!r}, encoding {encoding!r}")
     out = BENCH_FP8 if encoding == "fp8" else BENCH_INT4
     if decode == "persistent":
-        out = out + [p for p in PERSISTENT + ["nanoqwen_lib/measure/timeline.py"] if p not in out]
+        out = _with_persistent(out)
     return list(out) + (PEERS if peers else [])
 
 
@@ -135,9 +159,26 @@ def _rel(p, root: Path) -> str:
     return p.as_posix()
 
 
+def _sections_digest(where: str, blob: bytes, keys: str) -> str:
+    """SHA-256 of a YAML file's content (blob) less the dotted keys ("a.b, c"), as canonical JSON."""
+    import yaml
+    doc = yaml.safe_load(blob)
+    for key in keys.split(", "):
+        node, parts = doc, key.split(".")
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or parts[-1] not in node:
+            raise NanoqwenError(where, key, "a section of the file (a record measures the file without it)", "no such key")
+        del node[parts[-1]]
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def digest(path: str, root: Path = REPO) -> str | None:
-    """SHA-256 of a measured path as it is now (a file's bytes, or a folder's files), or
-    None where it does not exist."""
+    """SHA-256 of a measured path as it is now (a file's bytes, a folder's files, or a YAML
+    file's content less some sections: `without`), or None where it does not exist."""
+    if m := _WITHOUT_RE.match(path):
+        f = root / m["file"]
+        return _sections_digest(m["file"], f.read_bytes(), m["keys"]) if f.is_file() else None
     p = root / path
     if p.is_file():
         return hashlib.sha256(p.read_bytes()).hexdigest()
@@ -151,6 +192,11 @@ def digest_at(commit: str, path: str, root: Path = REPO) -> str | None:
     giving an older record its provenance. The only function here that calls git."""
     def git(*args) -> bytes:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
+    if m := _WITHOUT_RE.match(path):
+        whole = subprocess.run(["git", "cat-file", "-t", f"{commit}:{m['file']}"], cwd=root, capture_output=True,
+                               text=True).stdout.strip()
+        return _sections_digest(f"{m['file']} at {commit}", git("show", f"{commit}:{m['file']}"), m["keys"]) \
+            if whole == "blob" else None
     kind = subprocess.run(["git", "cat-file", "-t", f"{commit}:{path}"], cwd=root, capture_output=True,
                           text=True).stdout.strip()
     if kind == "blob":
