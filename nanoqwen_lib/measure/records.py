@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import yaml
+
 from nanoqwen_lib.errors import NanoqwenError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,8 +38,6 @@ DATA = REPO / "book" / "data"
 FIELD = "provenance"
 
 
-# What each record measures: the kernels and modules whose speed or outputs it holds (its
-# writer passes the same list to write()). Shared pieces first.
 _WITHOUT_RE = re.compile(r"^(?P<file>\S+) \(without (?P<keys>[\w.]+(?:, [\w.]+)*)\)$")
 
 
@@ -47,12 +47,14 @@ def without(path: str, *keys: str) -> str:
     return f"{path} (without {', '.join(keys)})"
 
 
+# What each record measures: the kernels and modules whose speed or outputs it holds (its
+# writer passes the same list to write()). Shared pieces first.
 _K_COMMON = ["kernels/common.cuh", "kernels/hopper.cuh", "kernels/argmax.cuh", "kernels/rowops.cuh"]
 _CONFIG = "nanoqwen_lib/nanoqwen.yaml"
-_PERSISTENT_CONFIG = ("engine.persistent", "tuning.decode_persistent")   # what only the persistent step reads
 _PLAN = ["nanoqwen_lib/config.py", _CONFIG,                                # kernels' defines, protocol
          "nanoqwen_lib/gpu/hardware.py"]                                    # what the planners plan for
-_PLAN_GRAPH = [without(p, *_PERSISTENT_CONFIG) if p == _CONFIG else p for p in _PLAN]   # ... of a graph-step record
+_GRAPH_CONFIG = without(_CONFIG, "engine.persistent", "tuning.decode_persistent")   # less what only the persistent step reads
+_PLAN_GRAPH = [_GRAPH_CONFIG if p == _CONFIG else p for p in _PLAN]       # ... of a graph-step record
 _GRAPH_STEP = ["kernels/decode_contract.cuh", "nanoqwen_lib/gpu/decode_contract.py",   # the step's host-device contract
                "kernels/gemv_int4.cu", "kernels/gemv_int4.cuh", "kernels/decode_ops.cu",
                "kernels/paged_attention.cu", "kernels/rope_append.cu", "kernels/lm_head.cu",
@@ -80,7 +82,7 @@ BENCH_INT4 = _K_COMMON + _PLAN_GRAPH + _GRAPH_STEP + _PREFILL_INT4 + _BENCH     
 
 def _with_persistent(measures: list[str]) -> list[str]:
     """A graph-step list made a persistent-step one: the whole config, the persistent kernel."""
-    out = [_CONFIG if p.startswith(_CONFIG + " ") else p for p in measures]
+    out = [_CONFIG if p == _GRAPH_CONFIG else p for p in measures]
     return out + [p for p in PERSISTENT + ["nanoqwen_lib/measure/timeline.py"] if p not in out]
 
 
@@ -161,7 +163,6 @@ def _rel(p, root: Path) -> str:
 
 def _sections_digest(where: str, blob: bytes, keys: str) -> str:
     """SHA-256 of a YAML file's content (blob) less the dotted keys ("a.b, c"), as canonical JSON."""
-    import yaml
     doc = yaml.safe_load(blob)
     for key in keys.split(", "):
         node, parts = doc, key.split(".")
@@ -192,13 +193,13 @@ def digest_at(commit: str, path: str, root: Path = REPO) -> str | None:
     giving an older record its provenance. The only function here that calls git."""
     def git(*args) -> bytes:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
-    if m := _WITHOUT_RE.match(path):
-        whole = subprocess.run(["git", "cat-file", "-t", f"{commit}:{m['file']}"], cwd=root, capture_output=True,
-                               text=True).stdout.strip()
-        return _sections_digest(f"{m['file']} at {commit}", git("show", f"{commit}:{m['file']}"), m["keys"]) \
-            if whole == "blob" else None
-    kind = subprocess.run(["git", "cat-file", "-t", f"{commit}:{path}"], cwd=root, capture_output=True,
+    m = _WITHOUT_RE.match(path)
+    target = m["file"] if m else path
+    kind = subprocess.run(["git", "cat-file", "-t", f"{commit}:{target}"], cwd=root, capture_output=True,
                           text=True).stdout.strip()
+    if m:
+        return _sections_digest(f"{target} at {commit}", git("show", f"{commit}:{target}"), m["keys"]) \
+            if kind == "blob" else None
     if kind == "blob":
         return hashlib.sha256(git("show", f"{commit}:{path}")).hexdigest()
     if kind == "tree":
