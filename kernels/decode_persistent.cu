@@ -39,7 +39,7 @@
 // NQ_PD_TIMELINE=1 (diagnostic build): each CTA records (code, t_begin, t_ready, t_end) of
 // every instruction in %globaltimer ns; code = layer * 16 + kind
 // (nanoqwen_lib/measure/timeline.py KINDS).
-// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_DOWN_SLICES=1; NQ_PD_DOWN_SLICES=1,NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14; NQ_PD_HEAD_BLOCKS=4; NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1; NQ_PD_LOADER=4,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_SELF=1
+// nq-variants: NQ_PD_TIMELINE=1; NQ_PD_FOLD=0; NQ_PD_RING=2; NQ_PD_PROBE=3; NQ_PD_SMEM_RING=1,NQ_PD_RING=8; NQ_PD_FENCE=0; NQ_PD_FENCE=1; NQ_PD_SMEM_PAD_KB=128; NQ_PD_ATTN_PRE=6,NQ_PD_ATTN_SPLITS=8; NQ_PD_ATTN_MERGE=0,NQ_PD_ATTN_LANES=0,NQ_PD_NORM_1PASS=0,NQ_PD_ATTN_SPLITS=16,NQ_PD_ATTN_MIN_TOKENS=32; NQ_PD_SELF_PREFETCH=16; NQ_PD_ATTN_LANES=0; NQ_PD_ATTN_LANES=2; NQ_PD_ATTN_LANES=3; NQ_PD_DOWN_DEFER=1; NQ_PD_DOWN_SLICES=1; NQ_PD_DOWN_SLICES=1,NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2; NQ_PD_QKV_PREFETCH=3,NQ_PD_LATE_RING=32; NQ_PD_QKV_LL=1; NQ_PD_SKIP=14; NQ_PD_HEAD_BLOCKS=4; NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_L2=1; NQ_PD_LOADER=4,NQ_PD_LOADER_PAGE=2,NQ_PD_LOADER_SELF=1; NQ_PD_O_MERGE=1; NQ_PD_O_MERGE=1,NQ_PD_DOWN_DEFER=1,NQ_PD_WARPS=15,NQ_PD_LOADER=5,NQ_PD_LOADER_PAGE=2
 #ifndef NQ_HEAD_DIM
 #error "decode_persistent.cu needs the model dims (cuda_defines(dims))"
 #endif
@@ -187,7 +187,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
     if (skipped(K_ATTN)) skip_instruction(c, i0 + 1, l, K_ATTN);
     else attention(c, i0 + 1, l, lt, smem);
     if (skipped(K_O)) skip_instruction(c, i0 + 2, l, K_O);
-    else gemv<kO.N, kO.K, kO.TG, kO.KS, ST_X, EP_RESIDUAL>(
+    else gemv<kO.N, kO.K, kO.TG, kO.KS, kOMerge ? ST_MERGE : ST_X, EP_RESIDUAL>(
         c, i0 + 2, l, K_O, ptr<const unsigned char>(lt, L_O), ptr<const half>(tab, T_ATTN), nullptr, nullptr,
         ptr<half>(tab, T_X), smem, red, part);
     if (skipped(K_GATE_UP)) skip_instruction(c, i0 + 3, l, K_GATE_UP);
@@ -211,7 +211,7 @@ nq_decode_persistent(const long long* __restrict__ tab, int first_layer, int las
     if (kQkvLL) last_out = last;
     if (last) {
       for (int i = 0; i <= kDone; ++i) c.sync[i] = 0u;   // (the next launch sees them: kernel boundary)
-      if (kAttnMergeAll)
+      if (kAttnMergeAll || kOMerge)
         for (int i = 0; i < num_layers * KVH; ++i) ptr<unsigned>(tab, T_ATTN_CNT)[i] = 0u;
       if (kDownSlices)                                   // [pd-down-slices]
         for (int i = 0; i < num_layers * kDown.KS; ++i) ptr<unsigned>(tab, T_SLICE_CNT)[i] = 0u;

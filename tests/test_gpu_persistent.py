@@ -13,6 +13,8 @@ lanes    the lane path's unrolled P.V (NQ_PD_ATTN_LANES=2) gives the bits of 1; 
          4 chains (3) part from it at near-ties only
 requests moving the prefetches and the rings' first loads, or polling tagged q, k, v instead of
          a counter ([pd-qkv-ll]), changes no bit
+o-merge  o_proj merging the attention's splits itself ([pd-o-merge]) gives the bits of the same
+         o_proj split with the attention merging
 hang     a launch whose CTAs cannot all be resident ends with the timeout error instead of
          hanging the device (every wait has NQ_PD_TIMEOUT_MS)
 reference (issue 31) the persistent step against the reference model, not only against the
@@ -285,6 +287,48 @@ def test_down_slice_counters_give_the_same_bits_7b(file_7b, engine_7b):
     t0, l0 = _decode_bits(engine_7b, {}, prompt, steps=4)
     t, l = _decode_bits(engine_7b, {"NQ_PD_DOWN_SLICES": 1}, prompt, steps=4)
     engine_7b.pd = PersistentStep(engine_7b)                # the fixture's default step back
+    assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
+
+
+@pytest.mark.parametrize("model,prompt_len", [("tiny", 12), ("tiny", 87), ("tiny-hd64", 87)])
+def test_o_proj_merging_the_attention_splits_gives_the_same_bits(model, prompt_len):
+    """[pd-o-merge]: the attention's splits only store their partials; o_proj's units (K cut by
+    KV head) wait for the KV heads their slice reads and merge the splits into their staging.
+    The same merge in the same order as the attention's [pd-merge-all]: bitwise the logits of
+    the build with the same o_proj split and the attention merging, at every step; with one
+    split (12 tokens), with several (87 tokens and up), with tiny-hd64's slice meeting both KV
+    heads, and whether a thread loads 0, 8 or all 32 splits' partials early. The last CTA out
+    leaves the counters at zero."""
+    from nanoqwen_lib.synthetic.packed import packed_synthetic
+    from nanoqwen_lib.format.weightfile import NanoqwenFile
+    from nanoqwen_lib.gpu.engine import GpuBackend
+    from nanoqwen_lib.gpu.persistent import persistent_plan
+    f = NanoqwenFile.open(packed_synthetic(model, seed=0))
+    eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False)
+    plan = persistent_plan(f.dims, defines={"NQ_PD_O_MERGE": 1})
+    split = {"NQ_PD_O_TG": plan["NQ_PD_O_TG"], "NQ_PD_O_KS": plan["NQ_PD_O_KS"]}
+    assert split["NQ_PD_O_KS"] == min(f.dims.num_kv_heads, f.dims.q_dim // 128)
+    prompt = prompt_ids(np.random.default_rng(43 + prompt_len), prompt_len)
+    t0, l0 = _decode_bits(eng, split, prompt)
+    assert np.isfinite(l0).all()
+    for pre in (0, 8, 32):
+        t, l = _decode_bits(eng, dict(split, NQ_PD_O_MERGE=1, NQ_PD_O_MERGE_PRE=pre), prompt)
+        assert eng.pd.plan["NQ_PD_O_KS"] == split["NQ_PD_O_KS"]
+        assert int(eng.pd.buf["ATTN_CNT"].sum().get()) == 0
+        assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32)), pre
+
+
+def test_o_proj_merging_the_attention_splits_gives_the_same_bits_7b(file_7b, engine_7b):
+    """[pd-o-merge] on the 7B's plan (o_proj 33 x 4: a K slice a KV head, 32 splits at 600
+    tokens of context): 4 steps bitwise those of the build with o_proj 33 x 4 and the
+    attention merging."""
+    prompt = prompt_ids(np.random.default_rng(47), 600)
+    split = {"NQ_PD_O_TG": 33, "NQ_PD_O_KS": 4}
+    t0, l0 = _decode_bits(engine_7b, split, prompt, steps=4)
+    t, l = _decode_bits(engine_7b, {"NQ_PD_O_MERGE": 1}, prompt, steps=4)
+    plan = engine_7b.pd.plan
+    engine_7b.pd = PersistentStep(engine_7b)                # the fixture's default step back
+    assert (plan["NQ_PD_O_TG"], plan["NQ_PD_O_KS"]) == (33, 4)
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 
 

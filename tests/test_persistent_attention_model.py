@@ -168,3 +168,58 @@ def test_merge_slices_cover_every_output_once(model):
             assert h0 + nh <= gqa
             assert ((splits - 1) * gqa + h0 + nh - 1) * (d + 2) + d + 1 < parts * gqa * (d + 2)
         assert (seen == 1).all(), splits
+
+
+@pytest.mark.parametrize("model,n", [("7b", 600), ("7b", 9), ("tiny", 87), ("tiny-hd64", 87), ("tiny-hd64", 40)])
+def test_o_merge_staging_gathers_each_heads_splits(model, n):
+    """[pd-o-merge] (stage_merged in kernels/decode/attention.cuh), with the kernel's index
+    arithmetic: each o_proj unit of the plan (K cut by KV head) reads split s of query head q at
+    ((q / gqa) * NQ_PD_ATTN_SPLITS + s) * gqa + q % gqa rows of D + 2 floats, packs the (m, l)
+    of the heads its slice meets as [split][head][m, l], and writes output k of its slice to
+    byte x_chunk_offset(k / 8) + 2 (k % 8) of its staging. Every output of the attention is
+    staged exactly once, inside the unit's staging and short of the scratch behind it, and
+    equals the merge of its head's splits (the values the attention's own merge writes)."""
+    from nanoqwen_lib.gpu.persistent import persistent_plan
+    dims, group = config.load().models[model], config.load().format.group_size
+    gqa, d, kvh, S = dims.num_heads // dims.num_kv_heads, dims.head_dim, dims.num_kv_heads, TUN["NQ_PD_ATTN_SPLITS"]
+    plan = persistent_plan(dims, SMS, defines={"NQ_PD_O_MERGE": 1})
+    ks, groups = plan["NQ_PD_O_KS"], dims.q_dim // group
+    splits = splits_of(n, S, TUN["NQ_PD_ATTN_MIN_TOKENS"], SMS, kvh)
+    rng = np.random.default_rng(n)
+    ws = np.zeros(kvh * S * gqa * (d + 2), F32)            # T_ATTN_WS: [kv head][split][head][acc, m, l]
+    part_of = lambda q, s: ((q // gqa) * S + s) * gqa * (d + 2) + (q % gqa) * (d + 2)
+    for q in range(dims.num_heads):
+        for s in range(splits):
+            o = part_of(q, s)
+            ws[o:o + d] = rng.standard_normal(d)
+            ws[o + d] = rng.standard_normal() * 3 if (q + s) % 5 or s == 0 else -np.inf   # an empty split: m = -inf
+            ws[o + d + 1] = rng.random() + 0.5 if np.isfinite(ws[o + d]) else 0.0
+    x_chunk_offset = lambda c: 16 * (c + c // 4)
+    merge_offset = -(-(-(-groups // ks) * 320) // 16) * 16            # kOMergeOffset
+    staged = np.full(dims.q_dim, np.nan, F32)
+    for u in range(ks):                                    # a tile set's units: one per K slice
+        k0, k1 = u * groups // ks * group, (u + 1) * groups // ks * group
+        h0, nh = k0 // d, (k1 - 1) // d - k0 // d + 1
+        sml = np.array([ws[part_of(h0 + (i % (nh * 2)) // 2, i // (nh * 2)) + d + (i & 1)]
+                        for i in range(splits * nh * 2)], F32).reshape(splits, nh, 2)
+        M = sml[:, :, 0].max(axis=0)
+        e = np.where(sml[:, :, 0] == -np.inf, F32(0), np.exp(sml[:, :, 0] - M)).astype(F32)
+        L = (sml[:, :, 1] * e).sum(axis=0, dtype=F32)
+        buf = {}
+        for k in range(k0, k1):
+            q, dd = k // d, k % d
+            v = F32(0)
+            for s in range(splits):
+                v = F32(v + ws[part_of(q, s) + dd] * e[s, q - h0])
+            kl = k - k0
+            at = x_chunk_offset(kl // 8) + 2 * (kl % 8)
+            assert 0 <= at and at + 2 <= min(merge_offset, (k1 - k0) // group * 320) and at not in buf
+            buf[at] = v / L[q - h0]
+        for kl in range(k1 - k0):
+            staged[k0 + kl] = buf[x_chunk_offset(kl // 8) + 2 * (kl % 8)]
+    for g in range(kvh):                                   # the attention's own merge, KV head by head
+        parts = [(ws[[part_of(g * gqa + h, s) + np.arange(d) for h in range(gqa)]].reshape(gqa, d),
+                  np.array([ws[part_of(g * gqa + h, s) + d] for h in range(gqa)], F32),
+                  np.array([ws[part_of(g * gqa + h, s) + d + 1] for h in range(gqa)], F32)) for s in range(splits)]
+        acc, _, L = merge(parts)
+        np.testing.assert_allclose(staged[g * gqa * d:(g + 1) * gqa * d], (acc / L[:, None]).ravel(), rtol=1e-6, atol=1e-7)

@@ -154,6 +154,29 @@ def test_the_fold_cost_sits_between_its_two_measurements(tbps):
 
 
 @pytest.mark.parametrize("model", ["7b", "tiny", "tiny-hd64"])
+@pytest.mark.parametrize("sms", [132, 114, 78])
+def test_o_merge_cuts_o_proj_by_kv_head(model, sms):
+    """[pd-o-merge]: with NQ_PD_O_MERGE the plan cuts o_proj's K once per KV head (the 7B: 4
+    slices of 7 groups, one KV head's 7 query heads each), and every unit's slice meets at most
+    the query heads the kernel's scratch holds (pd::kOHeads: its slice's groups over head_dim,
+    plus one for a slice that starts inside a head, as tiny-hd64's second slice does)."""
+    dims, group = load().models[model], load().format.group_size
+    plan = persistent_plan(dims, sms, defines={"NQ_PD_O_MERGE": 1})
+    ks, groups = plan["NQ_PD_O_KS"], dims.q_dim // group
+    assert ks == min(dims.num_kv_heads, groups)
+    if model == "7b":
+        assert (plan["NQ_PD_O_TG"], ks) == (sms // 4, 4)
+    bound = -(-(-(-groups // ks) * group) // dims.head_dim) + 1          # kOHeads
+    for s in range(ks):
+        k0, k1 = s * groups // ks * group, (s + 1) * groups // ks * group   # unit_of's slice s
+        heads = (k1 - 1) // dims.head_dim - k0 // dims.head_dim + 1
+        assert heads <= bound, (s, heads, bound)
+    others = persistent_plan(dims, sms)
+    assert {k: v for k, v in plan.items() if not k.startswith("NQ_PD_O_")} == \
+        {k: v for k, v in others.items() if not k.startswith("NQ_PD_O_")}
+
+
+@pytest.mark.parametrize("model", ["7b", "tiny", "tiny-hd64"])
 def test_shared_memory_fits_an_sm(model):
     dims = load().models[model]
     b = persistent.smem_bytes(dims, persistent_plan(dims))
@@ -166,6 +189,7 @@ def test_shared_memory_fits_an_sm(model):
     ("7b", {"NQ_PD_SMEM_PAD_KB": 128}), ("tiny", {"NQ_PD_ATTN_MERGE": 0, "NQ_PD_ATTN_LANES": 0, "NQ_PD_ATTN_SPLITS": 24}),
     ("tiny", {"NQ_PD_WARPS": 15, "NQ_PD_LOADER": 5, "NQ_PD_LOADER_PAGE": 2}), ("7b", {"NQ_PD_WARPS": 12}),
     ("7b", {"NQ_PD_LOADER": 4, "NQ_PD_LOADER_PAGE": 2, "NQ_PD_LOADER_SELF": 1}),
+    ("7b", {"NQ_PD_O_MERGE": 1}), ("tiny-hd64", {"NQ_PD_O_MERGE": 1, "NQ_PD_O_MERGE_PRE": 32}),
 ])
 def test_host_launch_sizes_are_the_kernels(model, ex):
     """The host's figures for a build (smem_bytes, and block_threads: 32 x (warps + the loader

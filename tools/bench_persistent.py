@@ -114,9 +114,15 @@ RINGS = ";".join([                                       # bytes in flight an SM
     "", LOADER_BUILD, SELF_BUILD, "NQ_PD_WARPS=15,NQ_PD_LOADER=3,NQ_PD_LOADER_PAGE=3",
     "", LOADER_BUILD,
 ])
+OMERGE = ";".join([                                      # [pd-o-merge]: o_proj merges the attention's splits
+    "", "NQ_PD_O_TG=33,NQ_PD_O_KS=4",                    # the default, and its o_proj cut by KV head alone
+    "NQ_PD_O_MERGE=1", "NQ_PD_O_MERGE=1,NQ_PD_O_MERGE_PRE=8", "NQ_PD_O_MERGE=1,NQ_PD_O_MERGE_PRE=32",
+    "", "NQ_PD_O_MERGE=1,NQ_PD_O_MERGE_PRE=8",
+])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
         "loader-bounds": LOADER_BOUNDS, "slices": SLICES, "self": SELF, "self-bounds": SELF_BOUNDS,
-        "qkv-split": QKV_SPLIT, "folds": FOLDS, "rings": RINGS}
+        "qkv-split": QKV_SPLIT, "folds": FOLDS, "rings": RINGS,
+        "omerge": OMERGE}
 
 
 def parse(spec: str) -> list[dict]:

@@ -61,8 +61,10 @@ __device__ __forceinline__ void load_kv(KvRow& r, const half* kc, const half* vc
 // wt[i][h] and the merged l to lsum[h]; returns M in every lane. merged_acc then gives one
 // output element.
 static_assert(kMergeParts <= 32 && GQA <= kWarps, "merge_weights: a lane per part, a warp per head");
-// Part i's m and l at ml[i * stride] and ml[i * stride + 1].
-__device__ __forceinline__ float merge_weights_ml(const float* ml, int stride, int parts, int h, float (*wt)[GQA],
+// Part i's m and l at ml[i * stride] and ml[i * stride + 1]; wt's rows hold NC heads (a KV
+// head's GQA, or the heads an o_proj unit meets, [pd-o-merge]).
+template <int NC = GQA>
+__device__ __forceinline__ float merge_weights_ml(const float* ml, int stride, int parts, int h, float (*wt)[NC],
                                                   float* lsum) {
   const int i = threadIdx.x & 31;
   const float m = i < parts ? ml[i * stride] : NQ_NEG_INF;
@@ -79,7 +81,8 @@ __device__ __forceinline__ float merge_weights(const float* p, int parts, int h,
   return merge_weights_ml(p + h * (D + 2) + D, GQA * (D + 2), parts, h, wt, lsum);
 }
 // One output element of head h: part i's accumulator at a[i * stride], in part order.
-__device__ __forceinline__ float merged_acc_s(const float* a, int stride, int parts, int h, const float (*wt)[GQA]) {
+template <int NC = GQA>
+__device__ __forceinline__ float merged_acc_s(const float* a, int stride, int parts, int h, const float (*wt)[NC]) {
   float v = 0.f;
   for (int i = 0; i < parts; ++i) v = fmaf(a[i * stride], wt[i][h], v);
   return v;
@@ -95,9 +98,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   // launch (the first attention), kept in Ctx and shared memory for the rest.
   if (c.n_ctx < 0) c.n_ctx = __ldcg(c.scalars + S_CONTEXT * NQ_SCALAR_STRIDE);   // context incl. this token
   const int n = c.n_ctx;
-  // At most NQ_PD_ATTN_SPLITS, at least NQ_PD_ATTN_MIN_TOKENS tokens each, and every split of
-  // every KV head a CTA of this grid (the launcher keeps grid >= KVH).
-  const int splits = min(min(kAttnSplits, c.grid / KVH), max(1, ceil_div(n, kAttnMinTokens)));
+  const int splits = attn_split_count(c.grid, n);
   const int u = blockIdx.x;
   const bool live = u < KVH * splits;
   const int g = live ? u / splits : 0, s = live ? u % splits : 0;
@@ -252,7 +253,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
         for (int e = 0; e < E; ++e) acc[e] = fmaf(pt, __half2float(vr[e]), acc[e]);
       }
     }
-    if (splits == 1) {
+    if (splits == 1 && !kOMerge) {
       half* out = ptr<half>(c.tab, T_ATTN) + (g * GQA + h) * D + lane * E;
 #pragma unroll
       for (int e = 0; e < E; ++e) out[e] = __float2half_rn(acc[e] / l);
@@ -330,15 +331,19 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
       const int h = i / D, d = i % D;
       const float v = merged_acc(wpart, kWarps, h, d, wt);
-      if (splits == 1) attn[(g * GQA + h) * D + d] = __float2half_rn(v / lsum[h]);
+      if (splits == 1 && !kOMerge) attn[(g * GQA + h) * D + d] = __float2half_rn(v / lsum[h]);
       else __stcg(aws + h * (D + 2) + d, v);
     }
-    if (splits > 1 && threadIdx.x < GQA) {
+    if ((splits > 1 || kOMerge) && threadIdx.x < GQA) {
       __stcg(aws + threadIdx.x * (D + 2) + D, wpart[threadIdx.x * (D + 2) + D]);
       __stcg(aws + threadIdx.x * (D + 2) + D + 1, lsum[threadIdx.x]);
     }
   }
-  if (live && splits > 1 && kAttnMergeAll) {
+  if (live && kOMerge) {
+    // [pd-o-merge] The split's partials are stored: count them for o_proj, which merges.
+    cta_sync();   // all threads: this split's (m, l, acc) are stored
+    if (threadIdx.x == 0) release_add(ptr<unsigned>(c.tab, T_ATTN_CNT) + layer * KVH + g, 1u);
+  } else if (live && splits > 1 && kAttnMergeAll) {
     // [pd-merge-all] Every split of KV head g merges one slice of the head's GQA x D outputs
     // once all of the head's splits are stored: no split waits on a single merging one.
     unsigned* cnt = ptr<unsigned>(c.tab, T_ATTN_CNT) + layer * KVH + g;   // (zeroed at the launch's end)
@@ -400,5 +405,80 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
   probe(c, layer, 11);
 }
 // [/pd-attention]
+
+// [pd-o-merge] o_proj's wait: thread 0 until every KV head that the attention outputs k0 ..
+// k0 + nk - 1 meet (query head k / D) has all its splits stored (a counter per layer and KV
+// head); a CTA without a unit (live = false) waits for nothing. All threads.
+__device__ __forceinline__ void wait_heads(Ctx& c, int layer, int k0, int nk, bool live) {
+  if (threadIdx.x == 0 && live) {
+    const int splits = attn_split_count(c.grid, c.n_ctx);
+    for (int kv = k0 / D / GQA; kv <= (k0 + nk - 1) / D / GQA; ++kv)
+      spin_until(c, ptr<const unsigned>(c.tab, T_ATTN_CNT) + layer * KVH + kv, (unsigned)splits);
+  }
+  inputs_ready(c);   // all threads: the partials this unit reads are stored and visible
+}
+// ... and its staging: those outputs, each the exact merge of its head's splits, fp16, into xs
+// as ST_X stages them. All threads. A thread's first two outputs are loaded from the first
+// NQ_PD_O_MERGE_PRE splits at once, while the splits' (m, l) are staged and weighed (a warp per
+// head, the merge's own order), so those loads share the (m, l)'s L2 trip; the rest follow.
+constexpr int kOMergePre = kCfg.o_merge_pre < kAttnSplits ? kCfg.o_merge_pre : kAttnSplits;
+constexpr int kOMergePreN = kOMergePre > 0 ? kOMergePre : 1;
+__device__ __forceinline__ void stage_merged(const Ctx& c, int k0, int nk, unsigned char* xs) {
+  const int splits = attn_split_count(c.grid, c.n_ctx);
+  const int h0 = k0 / D, nh = (k0 + nk - 1) / D - h0 + 1;   // the query heads the range meets
+  if (nh > kOHeads) {                                  // (kOHeads bounds it: a plan error, never a stray write)
+    if (threadIdx.x == 0) atomicExch(c.scalars + S_ERROR * NQ_SCALAR_STRIDE, kErrPlan);
+    return;
+  }
+  const float* ws = ptr<const float>(c.tab, T_ATTN_WS);
+  auto part_of = [&](int q, int s) {                   // split s of query head q: (acc[D], m, l)
+    return ws + ((size_t)((q / GQA) * kAttnSplits + s) * GQA + q % GQA) * (D + 2);
+  };
+  float* sml = reinterpret_cast<float*>(xs + kOMergeOffset);   // [split][head][m, l] of the range's heads
+  float (*wt)[kOHeads] = reinterpret_cast<float (*)[kOHeads]>(sml + kAttnSplits * kOHeads * 2);
+  float* lsum = sml + kAttnSplits * kOHeads * 3;
+  const int pairs = nk / 2;
+  float2 a[kOMergePreN];                                // the first pair's partial sums, from the first splits
+  const int p1 = threadIdx.x, q1 = (k0 + 2 * p1) / D, d1 = (k0 + 2 * p1) % D;
+  if (p1 < pairs) {
+#pragma unroll
+    for (int s = 0; s < kOMergePre; ++s)
+      if (s < splits) a[s] = __ldcg(reinterpret_cast<const float2*>(part_of(q1, s) + d1));
+  }
+  for (int i = threadIdx.x; i < splits * nh * 2; i += kThreads)
+    sml[i] = __ldcg(part_of(h0 + (i % (nh * 2)) / 2, i / (nh * 2)) + D + (i & 1));
+  cta_sync();   // all threads: the splits' (m, l) staged
+  for (int hl = threadIdx.x >> 5; hl < nh; hl += kWarps)
+    merge_weights_ml<kOHeads>(sml + hl * 2, nh * 2, splits, hl, wt, lsum);
+  cta_sync();   // all threads: weights known
+  auto store = [&](int p, float2 v, int hl) {          // local output 2p, 2p + 1 into the staging (x_chunk_offset)
+    const int kl = 2 * p;
+    *reinterpret_cast<half2*>(xs + nqs3::x_chunk_offset(kl / 8) + (kl % 8) * 2) =
+        __floats2half2_rn(v.x / lsum[hl], v.y / lsum[hl]);
+  };
+  if (p1 < pairs) {
+    const int hl = q1 - h0;
+    float2 v = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < kOMergePre; ++s)
+      if (s < splits) { v.x = fmaf(a[s].x, wt[s][hl], v.x); v.y = fmaf(a[s].y, wt[s][hl], v.y); }
+#pragma unroll 8
+    for (int s = kOMergePre; s < splits; ++s) {
+      const float2 x = __ldcg(reinterpret_cast<const float2*>(part_of(q1, s) + d1));
+      v.x = fmaf(x.x, wt[s][hl], v.x); v.y = fmaf(x.y, wt[s][hl], v.y);
+    }
+    store(p1, v, hl);
+  }
+  for (int p = p1 + kThreads; p < pairs; p += kThreads) {   // (a range wider than 2 outputs a thread)
+    const int q = (k0 + 2 * p) / D, d = (k0 + 2 * p) % D, hl = q - h0;
+    float2 v = make_float2(0.f, 0.f);
+    for (int s = 0; s < splits; ++s) {
+      const float2 x = __ldcg(reinterpret_cast<const float2*>(part_of(q, s) + d));
+      v.x = fmaf(x.x, wt[s][hl], v.x); v.y = fmaf(x.y, wt[s][hl], v.y);
+    }
+    store(p, v, hl);
+  }
+}
+// [/pd-o-merge]
 
 }  // namespace pd

@@ -45,6 +45,12 @@
 #ifndef NQ_PD_QKV_LL
 #error "NQ_PD_QKV_LL: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
+#ifndef NQ_PD_O_MERGE
+#error "NQ_PD_O_MERGE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
+#ifndef NQ_PD_O_MERGE_PRE
+#error "NQ_PD_O_MERGE_PRE: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
 #ifndef NQ_PD_SKIP
 #error "NQ_PD_SKIP: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -164,6 +170,13 @@ struct Config {
                         //   their wait (0: all before)
   bool qkv_ll;          // NQ_PD_QKV_LL (0/1): attention polls q, k, v tagged with the layer instead of
                         //   waiting on qkv's counter [pd-qkv-ll]
+  bool o_merge;         // NQ_PD_O_MERGE (0/1): o_proj merges the attention's splits into its own
+                        //   staging: each unit waits for the KV heads its K slice reads (a counter per
+                        //   layer and KV head) instead of for all of the attention, which stores its
+                        //   partials only; the plan cuts o_proj's K by KV head [pd-o-merge]
+  int o_merge_pre;      // NQ_PD_O_MERGE_PRE (0..32): with NQ_PD_O_MERGE, the splits whose partials of
+                        //   its first two outputs a thread loads into registers while the splits' weights
+                        //   are computed (the rest after them)
   int head_blocks;      // NQ_PD_HEAD_BLOCKS (0..32): gate_up's and down's last blocks a warp, bulk-
                         //   copied into shared memory before their wait [pd-head]
   int loader;           // NQ_PD_LOADER (0..32): a loader warp that copies every GEMV block into per-
@@ -211,6 +224,8 @@ constexpr Config kCfg{
   NQ_PD_DOWN_SLICES != 0,
   unsigned(NQ_PD_LATE_RING),
   NQ_PD_QKV_LL != 0,
+  NQ_PD_O_MERGE != 0,
+  NQ_PD_O_MERGE_PRE,
   NQ_PD_HEAD_BLOCKS,
   NQ_PD_LOADER,
   NQ_PD_LOADER_PAGE,
@@ -244,6 +259,8 @@ static_assert(NQ_PD_DOWN_DEFER >= 0 && NQ_PD_DOWN_DEFER <= 1, "NQ_PD_DOWN_DEFER:
 static_assert(NQ_PD_DOWN_SLICES >= 0 && NQ_PD_DOWN_SLICES <= 1, "NQ_PD_DOWN_SLICES: 0/1");
 static_assert((NQ_PD_LATE_RING & ~0x3a) == 0, "NQ_PD_LATE_RING: bits 0x3a");
 static_assert(NQ_PD_QKV_LL >= 0 && NQ_PD_QKV_LL <= 1, "NQ_PD_QKV_LL: 0/1");
+static_assert(NQ_PD_O_MERGE >= 0 && NQ_PD_O_MERGE <= 1, "NQ_PD_O_MERGE: 0/1");
+static_assert(NQ_PD_O_MERGE_PRE >= 0 && NQ_PD_O_MERGE_PRE <= 32, "NQ_PD_O_MERGE_PRE: 0..32");
 static_assert(NQ_PD_HEAD_BLOCKS >= 0 && NQ_PD_HEAD_BLOCKS <= 32, "NQ_PD_HEAD_BLOCKS: 0..32");
 static_assert(NQ_PD_LOADER >= 0 && NQ_PD_LOADER <= 32, "NQ_PD_LOADER: 0..32");
 static_assert(NQ_PD_LOADER_PAGE >= 1 && NQ_PD_LOADER_PAGE <= 16, "NQ_PD_LOADER_PAGE: 1..16");

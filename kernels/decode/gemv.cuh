@@ -3,6 +3,7 @@
 #pragma once
 #include "decode/rows.cuh"
 #include "decode/loader.cuh"
+#include "decode/attention.cuh"   // [pd-o-merge]: o_proj's wait and staging
 
 namespace pd {
 
@@ -100,6 +101,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
   if (kind == K_QKV) probe(c, layer, 0);
   constexpr bool kSliceWait = kDownSlices && kStage == ST_SWIGLU;   // down ([pd-down-slices])
   if (kSliceWait) wait_slice(c, layer, u.ks, u.live);
+  else if (kStage == ST_MERGE) wait_heads(c, layer, u.g0 * NQ_GROUP_SIZE, u.ng * NQ_GROUP_SIZE, u.live);
   else wait_inputs(c);
   if (late_ring && !kLoader) issue_ring();
   if (kPrefetchNextQkv && kCfg.qkv_prefetch == 2) prefetch_next_qkv(c);
@@ -136,6 +138,8 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
       for (int ch = threadIdx.x; ch < u.ng * (NQ_GROUP_SIZE / 8); ch += kThreads)
         *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(ch)) =
             norm_chunk(act, norm_w, rinv, u.g0 * (NQ_GROUP_SIZE / 8) + ch);
+    } else if (kStage == ST_MERGE) {
+      stage_merged(c, u.g0 * NQ_GROUP_SIZE, u.ng * NQ_GROUP_SIZE, xs);
     } else if (kStage == ST_X) {
       for (int ch = threadIdx.x; ch < u.ng * (NQ_GROUP_SIZE / 8); ch += kThreads)
         *reinterpret_cast<uint4*>(xs + nqs3::x_chunk_offset(ch)) =

@@ -81,8 +81,27 @@ constexpr bool kDownDefer = kCfg.down_defer && kDown.KS > 1 && kNormOnePass;
 // attention's threads spin on 16-byte chunks of those words until all four carry the tag. The
 // last CTA out zeroes the words, so a launch never sees an earlier launch's tags.
 constexpr bool kQkvLL = kCfg.qkv_ll;
+// [pd-o-merge] (NQ_PD_O_MERGE, lab): the attention's splits store their partials (acc, m, l) and
+// each adds one to its KV head's counter (per layer); nobody merges them there. o_proj, cut by
+// the plan into one K slice per KV head, merges them itself: a unit waits only for the KV heads
+// its slice reads, stages their splits' (m, l), weighs them (merge_weights) and writes the
+// merged, normalized fp16 attention output straight into its staging. The same merge in the
+// same order as [pd-merge-all]'s: the bits of the build with the same o_proj split. It saves
+// the merge's own trip (partials stored, seen, merged, stored again) and the grid-wide wait
+// between the attention and o_proj. (With the attention skipped, [pd-skip], there is nothing
+// to merge: o_proj then stages x as before.)
+constexpr bool kOMerge = kCfg.o_merge && !((kCfg.skip >> K_ATTN) & 1);
+static_assert(!(kOMerge && kQkvLL), "NQ_PD_O_MERGE: o_proj writes x once its KV heads' splits are stored; with "
+              "NQ_PD_QKV_LL a split does not know that every qkv CTA has read x");
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int max2(int a, int b) { return a > b ? a : b; }
+// The attention's splits a KV head for a context of n tokens on a grid of `grid` CTAs: at most
+// NQ_PD_ATTN_SPLITS, at least NQ_PD_ATTN_MIN_TOKENS tokens each, every split of every KV head a
+// CTA (the launcher keeps grid >= KVH). The attention and, with [pd-o-merge], o_proj count alike.
+__host__ __device__ constexpr int min2(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int attn_split_count(int grid, int n) {
+  return min2(min2(kAttnSplits, grid / KVH), max2(1, ceil_div(n, kAttnMinTokens)));
+}
 // [pd-down-slices]
 // down's unit (tile set, K slice s) reads slice s of gate_up's output alone: gate rows [k0, k1)
 // and up rows I + [k0, k1) (its SwiGLU staging). With NQ_PD_DOWN_SLICES (lab), each gate_up CTA
@@ -132,8 +151,14 @@ constexpr int kAttnParts = kAttnMergeAll || kWarps > kAttnSplits ? kWarps : kAtt
 static_assert(!kAttnMergeAll || kAttnSplits * GQA * 2 + GQA * D + kAttnSplits <= kAttnParts * GQA * (D + 2),
               "[pd-merge-all]: a split's packed slice fits the partials buffer");
 constexpr int kAttnSmem = kAttnParts * GQA * (D + 2) * 4 + (GQA + 2) * D * 2;   // ... + q, k, v fp16
+// [pd-o-merge]: the query heads one o_proj unit's K slice meets at most, and its scratch (the
+// splits' m and l packed, their weights, the heads' sums), past the unit's x staging
+constexpr int kOHeads = ceil_div(ceil_div(kO.K / NQ_GROUP_SIZE, kO.KS) * NQ_GROUP_SIZE, D) + 1;
+constexpr int kOMergeOffset = ceil_div(ceil_div(kO.K / NQ_GROUP_SIZE, kO.KS) * nqs3::kXGroupBytes, 16) * 16;
+constexpr int kOMergeBytes = (kAttnSplits * kOHeads * 3 + kOHeads) * 4;
 constexpr int kXBytes = max2(max2(x_bytes(kQkv), x_bytes(kO)), max2(x_bytes(kGateUp), x_bytes(kDown)));   // largest GEMV staging
 constexpr int kStageBytes = ceil_div(max2(kXBytes, max2(kAttnSmem, H * 4)), 16) * 16;
+static_assert(!kOMerge || kOMergeOffset + kOMergeBytes <= kStageBytes, "[pd-o-merge]: the scratch fits the staging area");
 // ... then, with NQ_PD_SMEM_RING, each warp's ring of kRing blocks behind it.
 constexpr int kRingBytes = kSmemRing ? kRing * kWarps * nqs3::kBlockBytes : 0;
 // ... and NQ_PD_SMEM_PAD_KB reserved, unused (a lab variant: what the shared memory it takes

@@ -15,7 +15,7 @@ namespace pd {
 // While the slowest CTA finishes the previous instruction, DRAM keeps streaming.
 // [/pd-prefetch]
 
-enum Stage { ST_NORM, ST_X, ST_SWIGLU };
+enum Stage { ST_NORM, ST_X, ST_SWIGLU, ST_MERGE };   // (ST_MERGE: o_proj's, [pd-o-merge])
 enum Epi { EP_BIAS, EP_RESIDUAL, EP_PLAIN };
 
 struct Unit {                 // this CTA's share of a GEMV

@@ -144,14 +144,15 @@ def module_source(name: str) -> str:
     return src + ("" if src.endswith("\n") else "\n") + f"// nanoqwen headers: {key or 'none'}\n"
 
 
-def planned_defines(name: str, dims: ModelDims | None) -> dict:
+def planned_defines(name: str, dims: ModelDims | None, extra: dict | None = None) -> dict:
     """The constants of kernels/<name>.cu that a planner computes for this machine rather than
     nanoqwen.yaml fixes: the persistent step's split of each GEMV (gpu.persistent, for
-    hardware().sms CTAs); and a lab kernel's build from its `// nq-build:` line (kernel_build).
-    Only that kernel gets them; an extra define overrides them."""
+    hardware().sms CTAs, planned for the build's own knobs in `extra`, as the engine plans it);
+    and a lab kernel's build from its `// nq-build:` line (kernel_build). Only that kernel gets
+    them; an extra define overrides them."""
     if name == "decode_persistent" and dims is not None:
         from nanoqwen_lib.gpu.persistent import persistent_plan
-        return persistent_plan(dims)
+        return persistent_plan(dims, defines={k: int(v) for k, v in (extra or {}).items()})
     return kernel_build(name)
 
 
@@ -172,7 +173,7 @@ def compile_cubin(name: str, dims: ModelDims | None = None, extra_defines: dict 
                   name_expressions: tuple[str, ...] = ()) -> tuple[bytes, str]:
     """Compile kernels/<name>.cu for its target (sm_90, or its nq-arch line) through NVRTC
     without a GPU. Returns (cubin, log), the log with ptxas's -v report of every entry."""
-    extra_defines = {**planned_defines(name, dims), **(extra_defines or {})}
+    extra_defines = {**planned_defines(name, dims, extra_defines), **(extra_defines or {})}
     opts = compile_options(dims, extra_defines, arch=kernel_arch(name), name=name) + ("-Xptxas=-v",)
     src = module_source(name)
     cubin, log = _nvrtc_cubin(name, src, opts, name_expressions)
@@ -379,7 +380,7 @@ def _load_module_cached(name: str, dims: ModelDims | None, extra: tuple) -> "obj
 def load_module(name: str, dims: ModelDims | None = None, extra_defines: dict | None = None):
     """cupy.RawModule for kernels/<name>.cu with the runtime's options (needs a Hopper GPU:
     anything else is refused in one line, gpu.hardware.require_hopper)."""
-    extra = {**planned_defines(name, dims), **(extra_defines or {})}
+    extra = {**planned_defines(name, dims, extra_defines), **(extra_defines or {})}
     return _load_module_cached(name, dims, tuple(sorted(extra.items())))
 
 

@@ -77,6 +77,13 @@ KNOBS = (
          "the GEMVs that ask for their ring only after their wait (0: all before)"),
     Knob("NQ_PD_QKV_LL", "qkv_ll", "bool", 0, 1, "lab",
          "attention polls q, k, v tagged with the layer instead of waiting on qkv's counter [pd-qkv-ll]"),
+    Knob("NQ_PD_O_MERGE", "o_merge", "bool", 0, 1, "lab",
+         "o_proj merges the attention's splits into its own staging: each unit waits for the KV "
+         "heads its K slice reads (a counter per layer and KV head) instead of for all of the "
+         "attention, which stores its partials only; the plan cuts o_proj's K by KV head [pd-o-merge]"),
+    Knob("NQ_PD_O_MERGE_PRE", "o_merge_pre", "int", 0, 32, "lab",
+         "with NQ_PD_O_MERGE, the splits whose partials of its first two outputs a thread loads "
+         "into registers while the splits' weights are computed (the rest after them)"),
     Knob("NQ_PD_SKIP", "skip", "mask", 0, LAYER_KINDS, "diagnostic",
          "layer instructions reduced to their place in the schedule (the token's values are "
          "meaningless) [pd-skip]"),

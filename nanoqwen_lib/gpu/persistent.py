@@ -43,6 +43,9 @@ def persistent_plan(dims: ModelDims, sms: int | None = None, hw=None, defines: d
     when KS > 1 (the last unit of a tile set adds the slices); the plan takes the cheapest
     split whose warps each touch at most NQ_PD_KMAX tiles and whose units have at most one row
     per thread (the epilogue); defines: knobs a build overrides (its NQ_PD_WARPS, NQ_PD_KMAX).
+    With NQ_PD_O_MERGE ([pd-o-merge]: o_proj's units merge the attention's splits of the KV heads
+    their K slice reads) o_proj's K is cut once per KV head (at most its groups), so that a unit
+    loads the partials of about one KV head, not of all.
     Pure arithmetic: the CPU build and
     the engine (with the device's SM count) call the same function."""
     from nanoqwen_lib.gpu.hardware import hardware
@@ -57,7 +60,8 @@ def persistent_plan(dims: ModelDims, sms: int | None = None, hw=None, defines: d
                          ("GU", (2 * dims.intermediate, dims.hidden)), ("DOWN", (dims.hidden, dims.intermediate))):
         t, g = -(-n // 16), k // group
         best = None
-        for ks in range(1, g + 1):
+        o_merge = name == "O" and tun.get("NQ_PD_O_MERGE", 0)
+        for ks in [min(dims.num_kv_heads, g)] if o_merge else range(1, g + 1):
             tg = min(t, sms // ks)
             if tg < 1:
                 break
