@@ -319,16 +319,19 @@ def test_o_proj_merging_the_attention_splits_gives_the_same_bits(model, prompt_l
 
 
 def test_o_proj_merging_the_attention_splits_gives_the_same_bits_7b(file_7b, engine_7b):
-    """[pd-o-merge] on the 7B's plan (o_proj 33 x 4: a K slice a KV head, 32 splits at 600
-    tokens of context): 4 steps bitwise those of the build with o_proj 33 x 4 and the
-    attention merging."""
+    """[pd-o-merge] on the 7B's plan (o_proj in 4 K slices, one a KV head: 33 x 4 on 132 SMs;
+    32 splits at 600 tokens of context): 4 steps bitwise those of the build with the same
+    o_proj split and the attention merging."""
+    from nanoqwen_lib.gpu.persistent import persistent_plan
+    plan = persistent_plan(file_7b.dims, defines={"NQ_PD_O_MERGE": 1})
+    split = {"NQ_PD_O_TG": plan["NQ_PD_O_TG"], "NQ_PD_O_KS": plan["NQ_PD_O_KS"]}
+    assert split["NQ_PD_O_KS"] == 4
     prompt = prompt_ids(np.random.default_rng(47), 600)
-    split = {"NQ_PD_O_TG": 33, "NQ_PD_O_KS": 4}
     t0, l0 = _decode_bits(engine_7b, split, prompt, steps=4)
     t, l = _decode_bits(engine_7b, {"NQ_PD_O_MERGE": 1}, prompt, steps=4)
-    plan = engine_7b.pd.plan
+    built = engine_7b.pd.plan
     engine_7b.pd = PersistentStep(engine_7b)                # the fixture's default step back
-    assert (plan["NQ_PD_O_TG"], plan["NQ_PD_O_KS"]) == (33, 4)
+    assert (built["NQ_PD_O_TG"], built["NQ_PD_O_KS"]) == (split["NQ_PD_O_TG"], 4)
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 
 
