@@ -290,28 +290,35 @@ def test_down_slice_counters_give_the_same_bits_7b(file_7b, engine_7b):
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 
 
-@pytest.mark.parametrize("model,prompt_len", [("tiny", 12), ("tiny", 87), ("tiny-hd64", 87)])
-def test_o_proj_merging_the_attention_splits_gives_the_same_bits(model, prompt_len):
+@pytest.mark.parametrize("model,prompt_len,base,pres", [
+    ("tiny", 12, {}, (32,)),                                          # lanes, 1 then 2 splits
+    ("tiny", 12, {"NQ_PD_ATTN_LANES": 0}, (0, 32)),                   # the warp path, 1 then 2 splits
+    ("tiny", 87, {}, (8,)),                                           # lanes, ~6 splits
+    ("tiny", 87, {"NQ_PD_WARPS": 12, "NQ_PD_ATTN_LANES": 0}, (8,)),   # 448 pairs on 384 threads: the second loop
+    ("tiny-hd64", 87, {}, (0,)),                                      # a slice meeting both KV heads
+    ("tiny-hd64", 520, {}, (8,)),                                     # 32 splits: 8 loaded early, 24 after
+], ids=["lanes-1", "warps-1", "lanes-6", "warps12", "hd64", "hd64-32"])
+def test_o_proj_merging_the_attention_splits_gives_the_same_bits(model, prompt_len, base, pres):
     """[pd-o-merge]: the attention's splits only store their partials; o_proj's units (K cut by
     KV head) wait for the KV heads their slice reads and merge the splits into their staging.
     The same merge in the same order as the attention's [pd-merge-all]: bitwise the logits of
-    the build with the same o_proj split and the attention merging, at every step; with one
-    split (12 tokens), with several (87 tokens and up), with tiny-hd64's slice meeting both KV
-    heads, and whether a thread loads 0, 8 or all 32 splits' partials early. The last CTA out
-    leaves the counters at zero."""
+    the build with the same o_proj split and the attention merging, at every step: one split
+    and several, the lane path and the warp path, tiny-hd64's slice meeting both KV heads, 32
+    splits, a thread loading none, some or all of the splits' partials early, and a slice with
+    more outputs than two a thread. The last CTA out leaves the counters at zero."""
     from nanoqwen_lib.synthetic.packed import packed_synthetic
     from nanoqwen_lib.format.weightfile import NanoqwenFile
     from nanoqwen_lib.gpu.engine import GpuBackend
     from nanoqwen_lib.gpu.persistent import persistent_plan
     f = NanoqwenFile.open(packed_synthetic(model, seed=0))
-    eng = GpuBackend(f, max_tokens=256, decode="persistent", graphs=False)
-    plan = persistent_plan(f.dims, defines={"NQ_PD_O_MERGE": 1})
-    split = {"NQ_PD_O_TG": plan["NQ_PD_O_TG"], "NQ_PD_O_KS": plan["NQ_PD_O_KS"]}
+    eng = GpuBackend(f, max_tokens=1024, decode="persistent", graphs=False)
+    plan = persistent_plan(f.dims, defines=dict(base, NQ_PD_O_MERGE=1))
+    split = dict(base, NQ_PD_O_TG=plan["NQ_PD_O_TG"], NQ_PD_O_KS=plan["NQ_PD_O_KS"])
     assert split["NQ_PD_O_KS"] == min(f.dims.num_kv_heads, f.dims.q_dim // 128)
     prompt = prompt_ids(np.random.default_rng(43 + prompt_len), prompt_len)
     t0, l0 = _decode_bits(eng, split, prompt)
     assert np.isfinite(l0).all()
-    for pre in (0, 8, 32):
+    for pre in pres:
         t, l = _decode_bits(eng, dict(split, NQ_PD_O_MERGE=1, NQ_PD_O_MERGE_PRE=pre), prompt)
         assert eng.pd.plan["NQ_PD_O_KS"] == split["NQ_PD_O_KS"]
         assert int(eng.pd.buf["ATTN_CNT"].sum().get()) == 0
@@ -328,7 +335,7 @@ def test_o_proj_merging_the_attention_splits_gives_the_same_bits_7b(file_7b, eng
     assert split["NQ_PD_O_KS"] == 4
     prompt = prompt_ids(np.random.default_rng(47), 600)
     t0, l0 = _decode_bits(engine_7b, split, prompt, steps=4)
-    t, l = _decode_bits(engine_7b, {"NQ_PD_O_MERGE": 1}, prompt, steps=4)
+    t, l = _decode_bits(engine_7b, {"NQ_PD_O_MERGE": 1, "NQ_PD_O_MERGE_PRE": 8}, prompt, steps=4)
     built = engine_7b.pd.plan
     engine_7b.pd = PersistentStep(engine_7b)                # the fixture's default step back
     assert (built["NQ_PD_O_TG"], built["NQ_PD_O_KS"]) == (split["NQ_PD_O_TG"], 4)

@@ -88,8 +88,9 @@ constexpr bool kQkvLL = kCfg.qkv_ll;
 // merged, normalized fp16 attention output straight into its staging. The same merge in the
 // same order as [pd-merge-all]'s: the bits of the build with the same o_proj split. It saves
 // the merge's own trip (partials stored, seen, merged, stored again) and the grid-wide wait
-// between the attention and o_proj. (With the attention skipped, [pd-skip], there is nothing
-// to merge: o_proj then stages x as before.)
+// between the attention and o_proj. The attention's fp16 output (T_ATTN) is then never written:
+// the layer check of the engine (its attention output) is for the default build. (With the
+// attention skipped, [pd-skip], there is nothing to merge: o_proj then stages x as before.)
 constexpr bool kOMerge = kCfg.o_merge && !((kCfg.skip >> K_ATTN) & 1);
 static_assert(!(kOMerge && kQkvLL), "NQ_PD_O_MERGE: o_proj writes x once its KV heads' splits are stored; with "
               "NQ_PD_QKV_LL a split does not know that every qkv CTA has read x");
