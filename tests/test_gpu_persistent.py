@@ -236,6 +236,23 @@ def test_consumers_loading_their_own_rings_give_the_same_bits(slots, page):
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 
 
+@pytest.mark.parametrize("own", [10, 48, 58])
+@pytest.mark.parametrize("self_loading", [False, True], ids=["warp", "self"])
+def test_loader_leaving_some_gemvs_to_their_warps_gives_the_same_bits(own, self_loading):
+    """[pd-loader-own]: the loader's rings carry only some GEMVs (qkv and o_proj left out: bits
+    1 << 1 | 1 << 3 = 10; gate_up and down: 48; all four: 58), the others' warps load their own
+    blocks through the register ring with the L2 prefetches a layer ahead: the same blocks in the
+    same order, so bitwise the logits of the same warps without the loader at every step."""
+    from nanoqwen_lib.gpu.decode_knobs import LOADER, LOADER_SELF
+    f, eng = _tiny_engine()
+    build = dict(LOADER_SELF if self_loading else LOADER)
+    prompt = prompt_ids(np.random.default_rng(53 + own), 29)
+    t0, l0 = _decode_bits(eng, {"NQ_PD_WARPS": build.get("NQ_PD_WARPS", 16)}, prompt)
+    assert np.isfinite(l0).all()
+    t, l = _decode_bits(eng, dict(build, NQ_PD_LOADER_OWN=own), prompt)
+    assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
+
+
 def test_loader_warp_gives_the_same_bits_7b(file_7b, engine_7b):
     """[pd-loader] on the 7B's shapes (down in K slices, warps over two tiles): 4 steps with the
     loader, bitwise those without it (15 consumer warps each)."""

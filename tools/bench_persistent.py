@@ -119,10 +119,15 @@ OMERGE = ";".join([                                      # [pd-o-merge]: o_proj 
     "NQ_PD_O_MERGE=1", "NQ_PD_O_MERGE=1,NQ_PD_O_MERGE_PRE=8", "NQ_PD_O_MERGE=1,NQ_PD_O_MERGE_PRE=32",
     "", "NQ_PD_O_MERGE=1,NQ_PD_O_MERGE_PRE=8",
 ])
+CHAIN_OWN = "NQ_PD_LOADER_OWN=10"                        # [pd-loader-own]: qkv and o_proj (1 << 1 | 1 << 3) load their own
+OWN = ";".join([                                         # the loader's rings for the streams only
+    "", LOADER_BUILD, LOADER_BUILD + "," + CHAIN_OWN, SELF_BUILD + "," + CHAIN_OWN,
+    "", LOADER_BUILD + "," + CHAIN_OWN,
+])
 SETS = {"v8": V8, "lanes": LANES, "v10": V10, "bounds": BOUNDS, "head": HEAD, "loader": LOADER,
         "loader-bounds": LOADER_BOUNDS, "slices": SLICES, "self": SELF, "self-bounds": SELF_BOUNDS,
         "qkv-split": QKV_SPLIT, "folds": FOLDS, "rings": RINGS,
-        "omerge": OMERGE}
+        "omerge": OMERGE, "own": OWN}
 
 
 def parse(spec: str) -> list[dict]:

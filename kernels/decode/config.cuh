@@ -66,6 +66,9 @@
 #ifndef NQ_PD_LOADER_SELF
 #error "NQ_PD_LOADER_SELF: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
+#ifndef NQ_PD_LOADER_OWN
+#error "NQ_PD_LOADER_OWN: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
+#endif
 #ifndef NQ_PD_LOADER_L2
 #error "NQ_PD_LOADER_L2: set by nanoqwen_lib.config (nanoqwen.yaml tuning)"
 #endif
@@ -186,6 +189,9 @@ struct Config {
   bool loader_self;     // NQ_PD_LOADER_SELF (0/1): with the loader's rings, no loader warp: each
                         //   consumer warp's lane 0 walks its own share of the schedule and issues its
                         //   ring's next page as it gives one back [pd-loader-self]
+  unsigned loader_own;  // NQ_PD_LOADER_OWN (bits 0x3a): with the loader's rings, the GEMVs whose warps
+                        //   load their own blocks (the register ring and the L2 prefetches a layer ahead,
+                        //   as without the loader); the rings carry the rest [pd-loader-own]
   bool loader_l2;       // NQ_PD_LOADER_L2 (0/1): with the loader, keep the L2 prefetches a layer ahead
                         //   (o_proj's share during attention, the next qkv's during down), so that its
                         //   copies read L2 [pd-loader]
@@ -230,6 +236,7 @@ constexpr Config kCfg{
   NQ_PD_LOADER,
   NQ_PD_LOADER_PAGE,
   NQ_PD_LOADER_SELF != 0,
+  unsigned(NQ_PD_LOADER_OWN),
   NQ_PD_LOADER_L2 != 0,
   NQ_PD_SELF_PREFETCH,
   NQ_PD_EARLY_BLOCKS,
@@ -265,6 +272,7 @@ static_assert(NQ_PD_HEAD_BLOCKS >= 0 && NQ_PD_HEAD_BLOCKS <= 32, "NQ_PD_HEAD_BLO
 static_assert(NQ_PD_LOADER >= 0 && NQ_PD_LOADER <= 32, "NQ_PD_LOADER: 0..32");
 static_assert(NQ_PD_LOADER_PAGE >= 1 && NQ_PD_LOADER_PAGE <= 16, "NQ_PD_LOADER_PAGE: 1..16");
 static_assert(NQ_PD_LOADER_SELF >= 0 && NQ_PD_LOADER_SELF <= 1, "NQ_PD_LOADER_SELF: 0/1");
+static_assert((NQ_PD_LOADER_OWN & ~0x3a) == 0, "NQ_PD_LOADER_OWN: bits 0x3a");
 static_assert(NQ_PD_LOADER_L2 >= 0 && NQ_PD_LOADER_L2 <= 1, "NQ_PD_LOADER_L2: 0/1");
 static_assert(NQ_PD_SELF_PREFETCH >= 0 && NQ_PD_SELF_PREFETCH <= 32, "NQ_PD_SELF_PREFETCH: 0..32");
 static_assert(NQ_PD_EARLY_BLOCKS >= 0 && NQ_PD_EARLY_BLOCKS <= 32, "NQ_PD_EARLY_BLOCKS: 0..32");

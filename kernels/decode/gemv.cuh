@@ -29,6 +29,10 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
                      const half* norm_w, const half* bias, half* out, unsigned char* xs, float* red,
                      float (*part)[kKmax][16]) {
   constexpr int G = K / NQ_GROUP_SIZE;
+  // The instruction's kind from its stage and epilogue (each GEMV has its own pair), and whether
+  // its blocks come from the loader's rings ([pd-loader], [pd-loader-own]).
+  constexpr int kKind = kEpi == EP_BIAS ? K_QKV : kEpi == EP_PLAIN ? K_GATE_UP : kStage == ST_SWIGLU ? K_DOWN : K_O;
+  constexpr bool kFromRing = loader_serves(kKind);
   begin_instruction(c);
   const Unit u = unit_of<N, K, TG, KS>(blockIdx.x);
   if (kPrefetchNextQkv && kCfg.qkv_prefetch == 1) prefetch_next_qkv(c);   // a later instruction's weights ([pd-prefetch])
@@ -93,17 +97,17 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
     }
   };
   const bool late_ring = (kCfg.late_ring >> kind) & 1;
-  if (!late_ring && !kLoader) issue_ring();
+  if (!late_ring && !kFromRing) issue_ring();
   // gate_up's and down's next NQ_PD_SELF_PREFETCH blocks a warp, past the ring, into L2
   // ([pd-prefetch]; qkv's and o_proj's were prefetched by the instruction before them).
-  if (kCfg.self_prefetch > 0 && !kLoader && (kind == K_GATE_UP || kind == K_DOWN))
+  if (kCfg.self_prefetch > 0 && !kFromRing && (kind == K_GATE_UP || kind == K_DOWN))
     prefetch_warp<N, K, TG, KS>(w, kRing, kCfg.self_prefetch);
   if (kind == K_QKV) probe(c, layer, 0);
   constexpr bool kSliceWait = kDownSlices && kStage == ST_SWIGLU;   // down ([pd-down-slices])
   if (kSliceWait) wait_slice(c, layer, u.ks, u.live);
   else if (kStage == ST_MERGE) wait_heads(c, layer, u.g0 * NQ_GROUP_SIZE, u.ng * NQ_GROUP_SIZE, u.live);
   else wait_inputs(c);
-  if (late_ring && !kLoader) issue_ring();
+  if (late_ring && !kFromRing) issue_ring();
   if (kPrefetchNextQkv && kCfg.qkv_prefetch == 2) prefetch_next_qkv(c);
   if (kind == K_QKV) probe(c, layer, 1);
   // [pd-down-defer]: this down leaves its slices in WS_DOWN (another layer follows in the launch);
@@ -188,7 +192,7 @@ __device__ void gemv(Ctx& c, int idx, int layer, int kind, const unsigned char* 
         acc0 = 0.f; acc1 = 0.f; cg = 0; ++ct; xl = x0;
       }
     };
-    if constexpr (kLoader) {                            // [pd-loader]: the blocks come from the warp's ring,
+    if constexpr (kFromRing) {                          // [pd-loader]: the blocks come from the warp's ring,
       ring_take(c, r[0], warp, lane, 0, b0 + 1 == b1);  // one taken ahead of the one multiplied
 #pragma unroll 1
       for (int b = b0; b < b1; b += 2) {

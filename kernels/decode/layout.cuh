@@ -24,8 +24,15 @@ static_assert(!kLoaderSelf || kLoader, "NQ_PD_LOADER_SELF: the loader's rings, w
 constexpr bool kLoaderWarp = kLoader && !kLoaderSelf;            // one more warp a CTA, the loader
 constexpr int kBlockThreads = kThreads + (kLoaderWarp ? 32 : 0);   // the launch's block
 static_assert(!kCfg.loader_l2 || kLoader, "NQ_PD_LOADER_L2 keeps the loader's L2 prefetches: only with NQ_PD_LOADER");
-// [pd-prefetch]'s L2 prefetches a layer ahead: without the loader, or with it and NQ_PD_LOADER_L2
-constexpr bool kL2Ahead = !kLoader || kCfg.loader_l2;
+// [pd-loader-own] (NQ_PD_LOADER_OWN, lab; bits 1 << kind): with the loader, the GEMVs whose
+// warps still load their own blocks (the register ring, and the L2 prefetches a layer ahead of
+// [pd-prefetch]), as the build without the loader does; the loader's rings carry only the rest.
+// The chain's GEMVs (qkv, o_proj) then no longer wait in the rings behind the stream before them.
+__host__ __device__ constexpr bool loader_serves(int kind) { return kLoader && !((kCfg.loader_own >> kind) & 1); }
+static_assert(kCfg.loader_own == 0 || kLoader, "NQ_PD_LOADER_OWN: which GEMVs the loader leaves out (needs NQ_PD_LOADER)");
+// [pd-prefetch]'s L2 prefetches a layer ahead of GEMV `kind`: when the loader does not carry it,
+// or with NQ_PD_LOADER_L2
+__host__ __device__ constexpr bool l2_ahead(int kind) { return !loader_serves(kind) || kCfg.loader_l2; }
 static_assert(!kLoader || kRing >= 2, "[pd-loader]: the consumer takes a block ahead into a second register slot");
 static_assert(!kLoader || (!kSmemRing && kHead == 0),
               "NQ_PD_LOADER replaces the register ring's loads: not with NQ_PD_SMEM_RING or NQ_PD_HEAD_BLOCKS");

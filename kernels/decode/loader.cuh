@@ -58,12 +58,12 @@ __device__ __forceinline__ void seek(Cursor& q, const long long* tab, int first_
   for (; q.k < k_end; ++q.k) {
     const long long* lt = tab + kLayerBase + kLayerStride * (first_layer + q.k / 4);
     const int m = q.k % 4;
-    if (m == 0 && !skipped(K_QKV) &&
+    if (m == 0 && !skipped(K_QKV) && loader_serves(K_QKV) &&
         range_start<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(q, ptr<const unsigned char>(lt, L_QKV), wl)) return;
-    if (m == 1 && !skipped(K_O) && range_start<kO.N, kO.K, kO.TG, kO.KS>(q, ptr<const unsigned char>(lt, L_O), wl)) return;
-    if (m == 2 && !skipped(K_GATE_UP) &&
+    if (m == 1 && !skipped(K_O) && loader_serves(K_O) && range_start<kO.N, kO.K, kO.TG, kO.KS>(q, ptr<const unsigned char>(lt, L_O), wl)) return;
+    if (m == 2 && !skipped(K_GATE_UP) && loader_serves(K_GATE_UP) &&
         range_start<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(q, ptr<const unsigned char>(lt, L_GATE_UP), wl)) return;
-    if (m == 3 && !skipped(K_DOWN) &&
+    if (m == 3 && !skipped(K_DOWN) && loader_serves(K_DOWN) &&
         range_start<kDown.N, kDown.K, kDown.TG, kDown.KS>(q, ptr<const unsigned char>(lt, L_DOWN), wl)) return;
   }
 }

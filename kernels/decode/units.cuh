@@ -58,15 +58,15 @@ __device__ __forceinline__ void prefetch_warp(const unsigned char* w, int from, 
 // gate_up's while attention runs (no weights of its own); the next layer's qkv share while
 // down runs.
 __device__ __forceinline__ void prefetch_during_attention(Ctx& c) {
-  if (!kCfg.attn_prefetch || !kL2Ahead) return;        // (a variant: attention's loads alone on the bus;
-                                                         // [pd-loader]: the loader is at it, unless NQ_PD_LOADER_L2)
-  prefetch_warp<kO.N, kO.K, kO.TG, kO.KS>(ptr<const unsigned char>(c.lt, L_O), 0, 32);
-  if (kCfg.early_blocks > 0)
+  if (!kCfg.attn_prefetch) return;                     // (a variant: attention's loads alone on the bus)
+  if (l2_ahead(K_O))                                   // ([pd-loader]: the loader is at it, unless NQ_PD_LOADER_L2)
+    prefetch_warp<kO.N, kO.K, kO.TG, kO.KS>(ptr<const unsigned char>(c.lt, L_O), 0, 32);
+  if (kCfg.early_blocks > 0 && l2_ahead(K_GATE_UP))
     prefetch_warp<kGateUp.N, kGateUp.K, kGateUp.TG, kGateUp.KS>(ptr<const unsigned char>(c.lt, L_GATE_UP), 0,
                                                                 kCfg.early_blocks);
 }
 __device__ __forceinline__ void prefetch_next_qkv(Ctx& c) {
-  if (kL2Ahead && c.lt_next) prefetch_warp<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(ptr<const unsigned char>(c.lt_next, L_QKV), 0, 32);
+  if (l2_ahead(K_QKV) && c.lt_next) prefetch_warp<kQkv.N, kQkv.K, kQkv.TG, kQkv.KS>(ptr<const unsigned char>(c.lt_next, L_QKV), 0, 32);
 }
 
 }  // namespace pd

@@ -97,6 +97,10 @@ KNOBS = (
     Knob("NQ_PD_LOADER_SELF", "loader_self", "bool", 0, 1, "lab",
          "with the loader's rings, no loader warp: each consumer warp's lane 0 walks its own share of "
          "the schedule and issues its ring's next page as it gives one back [pd-loader-self]"),
+    Knob("NQ_PD_LOADER_OWN", "loader_own", "mask", 0, GEMV_KINDS, "lab",
+         "with the loader's rings, the GEMVs whose warps load their own blocks (the register ring "
+         "and the L2 prefetches a layer ahead, as without the loader); the rings carry the rest "
+         "[pd-loader-own]"),
     Knob("NQ_PD_LOADER_L2", "loader_l2", "bool", 0, 1, "lab",
          "with the loader, keep the L2 prefetches a layer ahead (o_proj's share during attention, "
          "the next qkv's during down), so that its copies read L2 [pd-loader]"),
