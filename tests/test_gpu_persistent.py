@@ -250,6 +250,7 @@ def test_loader_leaving_some_gemvs_to_their_warps_gives_the_same_bits(own, self_
     t0, l0 = _decode_bits(eng, {"NQ_PD_WARPS": build.get("NQ_PD_WARPS", 16)}, prompt)
     assert np.isfinite(l0).all()
     t, l = _decode_bits(eng, dict(build, NQ_PD_LOADER_OWN=own), prompt)
+    assert eng.pd.threads == 32 * 16                      # 15 consumers + the loader warp, or 16 consumers
     assert t == t0 and np.array_equal(l.view(np.uint32), l0.view(np.uint32))
 
 
