@@ -43,6 +43,18 @@ for what in "$@"; do
       timeout ${NEXT_TIMEOUT:-500} python3 tools/bench_persistent.py --timelines --spread --variants ${VARIANTS:-bounds} --probe ${PROBE:-14} \
         --json $OUT/persistent-variants.json 2>&1 | grep -v '^\[' | tee $OUT/persistent-variants.log | tail -80
       echo "persistent-variants: $(( $(date +%s) - t0 )) s" ;;
+    variant-sets)
+      # several sets of persistent-variants in one call (SETS="own rings"), each set's JSON and log
+      # kept as $OUT/<set>.json and .log; a set starts only with SET_MIN (150) s left of SETS_BUDGET (560)
+      t0=$(date +%s)
+      for set in ${SETS:-own rings}; do
+        left=$(( ${SETS_BUDGET:-560} - ($(date +%s) - t0) ))
+        [ $left -lt ${SET_MIN:-150} ] && { echo "not run (time): $set"; continue; }
+        timeout $left python3 tools/bench_persistent.py --timelines --spread --variants $set --probe ${PROBE:-0} \
+          --json $OUT/$set.json 2>&1 | grep -v '^\[' > $OUT/$set.log
+        grep -E "^\{|^fastest" $OUT/$set.log
+      done
+      echo "variant-sets: $(( $(date +%s) - t0 )) s" ;;
     sanitize-persistent)
       # compute-sanitizer racecheck and synccheck on the persistent kernel, tiny and tiny-hd64
       # (SANITIZE_DEFINES: a lab build's knobs, A=1,B=2)
