@@ -29,6 +29,11 @@ __device__ __forceinline__ void rope_pair(const half* x, half* out, int i, float
 constexpr int kAttnPre = kCfg.attn_pre;   // rows a warp loads before the wait
 static_assert(kCfg.attn_splits * GQA * (D + 2) % 4 == 0, "a KV head's split partials start 16-byte aligned");
 constexpr int kPagesCached = 64;   // a split's pages kept in shared memory from the first layer on
+// The splits' partials (T_ATTN_WS): split s of KV head g, its query head h (of GQA), at this
+// float offset: acc[D], then m and l. Written by the splits, read by the merge (or [pd-o-merge]).
+__device__ __forceinline__ size_t attn_part(int g, int s, int h) {
+  return ((size_t)(g * kAttnSplits + s) * GQA + h) * (D + 2);
+}
 struct KvRow { float k[D / 32], v[D / 32]; };
 // The lane's dims of one K and V row: from the cache (through L2), or (kShared) from this
 // CTA's shared memory.
@@ -258,7 +263,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
 #pragma unroll
       for (int e = 0; e < E; ++e) out[e] = __float2half_rn(acc[e] / l);
     } else {
-      float* part = ptr<float>(c.tab, T_ATTN_WS) + ((size_t)(g * kAttnSplits + s) * GQA + h) * (D + 2);
+      float* part = ptr<float>(c.tab, T_ATTN_WS) + attn_part(g, s, h);
 #pragma unroll
       for (int e = 0; e < E; ++e) __stcg(part + lane * E + e, acc[e]);
       if (lane == 0) { __stcg(part + D, m); __stcg(part + D + 1, l); }
@@ -325,7 +330,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     if (lane == 0) wpart[warp * (D + 2) + D] = M;        // warp 0's m slot <- the CTA's M (all lanes have read)
   }
   if (!lanes) cta_sync();   // all threads: weights known
-  float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);
+  float* aws = ptr<float>(c.tab, T_ATTN_WS) + (size_t)(g * kAttnSplits + s) * GQA * (D + 2);   // attn_part(g, s, 0)
   half* attn = ptr<half>(c.tab, T_ATTN);
   if (live && !lanes) {
     for (int i = threadIdx.x; i < GQA * D; i += kThreads) {
@@ -353,7 +358,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     probe(c, layer, 9);
     const int o0 = s * (GQA * D) / splits, o1 = (s + 1) * (GQA * D) / splits, no = o1 - o0;   // this split's outputs
     const int h0 = o0 / D, nh = (o1 - 1) / D - h0 + 1;                                      // ... and their heads
-    const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
+    const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);   // attn_part(g, 0, 0)
     // Into shared memory, packed (independent loads: one L2 round trip): sml[split][head][m, l]
     // of the slice's heads, sacc[split][output] of its outputs.
     float* sml = wpart;
@@ -380,7 +385,7 @@ __device__ void attention(Ctx& c, int idx, int layer, const long long* lt, unsig
     if (last) {
       // Every split's (acc, m, l) into shared memory at once (independent coalesced loads: one
       // L2 round trip, not one per split), then the merge from there.
-      const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);
+      const float* base = ptr<const float>(c.tab, T_ATTN_WS) + (size_t)g * kAttnSplits * GQA * (D + 2);   // attn_part(g, 0, 0)
       cta_sync();   // the last CTA's threads: done with wpart above
       {   // 16-byte cp.async straight into shared memory (L2 only, no registers), then one wait
         const int total = splits * GQA * (D + 2), n4 = total / 4;
@@ -431,9 +436,7 @@ __device__ __forceinline__ void stage_merged(const Ctx& c, int k0, int nk, unsig
     return;
   }
   const float* ws = ptr<const float>(c.tab, T_ATTN_WS);
-  auto part_of = [&](int q, int s) {                   // split s of query head q: (acc[D], m, l)
-    return ws + ((size_t)((q / GQA) * kAttnSplits + s) * GQA + q % GQA) * (D + 2);
-  };
+  auto part_of = [&](int q, int s) { return ws + attn_part(q / GQA, s, q % GQA); };   // split s of query head q
   float* sml = reinterpret_cast<float*>(xs + kOMergeOffset);   // [split][head][m, l] of the range's heads
   float (*wt)[kOHeads] = reinterpret_cast<float (*)[kOHeads]>(sml + kAttnSplits * kOHeads * 2);
   float* lsum = sml + kAttnSplits * kOHeads * 3;
@@ -456,28 +459,25 @@ __device__ __forceinline__ void stage_merged(const Ctx& c, int k0, int nk, unsig
     *reinterpret_cast<half2*>(xs + nqs3::x_chunk_offset(kl / 8) + (kl % 8) * 2) =
         __floats2half2_rn(v.x / lsum[hl], v.y / lsum[hl]);
   };
+  // Pair p's merged outputs, v holding the sum over splits [0, s0) already (split order).
+  auto merge_pair = [&](int p, float2 v, int s0) {
+    const int q = (k0 + 2 * p) / D, d = (k0 + 2 * p) % D, hl = q - h0;
+#pragma unroll 8
+    for (int s = s0; s < splits; ++s) {
+      const float2 x = __ldcg(reinterpret_cast<const float2*>(part_of(q, s) + d));
+      v.x = fmaf(x.x, wt[s][hl], v.x); v.y = fmaf(x.y, wt[s][hl], v.y);
+    }
+    store(p, v, hl);
+  };
   if (p1 < pairs) {
     const int hl = q1 - h0;
     float2 v = make_float2(0.f, 0.f);
 #pragma unroll
     for (int s = 0; s < kOMergePre; ++s)
       if (s < splits) { v.x = fmaf(a[s].x, wt[s][hl], v.x); v.y = fmaf(a[s].y, wt[s][hl], v.y); }
-#pragma unroll 8
-    for (int s = kOMergePre; s < splits; ++s) {
-      const float2 x = __ldcg(reinterpret_cast<const float2*>(part_of(q1, s) + d1));
-      v.x = fmaf(x.x, wt[s][hl], v.x); v.y = fmaf(x.y, wt[s][hl], v.y);
-    }
-    store(p1, v, hl);
+    merge_pair(p1, v, kOMergePre);
   }
-  for (int p = p1 + kThreads; p < pairs; p += kThreads) {   // (a range wider than 2 outputs a thread)
-    const int q = (k0 + 2 * p) / D, d = (k0 + 2 * p) % D, hl = q - h0;
-    float2 v = make_float2(0.f, 0.f);
-    for (int s = 0; s < splits; ++s) {
-      const float2 x = __ldcg(reinterpret_cast<const float2*>(part_of(q, s) + d));
-      v.x = fmaf(x.x, wt[s][hl], v.x); v.y = fmaf(x.y, wt[s][hl], v.y);
-    }
-    store(p, v, hl);
-  }
+  for (int p = p1 + kThreads; p < pairs; p += kThreads) merge_pair(p, make_float2(0.f, 0.f), 0);   // (a range wider than 2 outputs a thread)
 }
 // [/pd-o-merge]
 
